@@ -184,14 +184,16 @@ def main():
     ref_acts[-1].pow(2).sum().backward()
 
     stage = stages[rank]                                           # this rank runs layer `rank` only
-    inp = x if rank == 0 else recv_forward((B, H), torch.float64, device)
-    inp.requires_grad_()
+    got = recv_forward((B, H), torch.float64, device)              # None on the first stage
+    assert (got is None) == (rank == 0)
+    inp = (x if got is None else got).requires_grad_()
     out = torch.tanh(stage(inp))                                   # [B, H]
     send_forward(out.detach())
-    if rank == W - 1:
+    grad_out = recv_backward(out.shape, out.dtype, device)         # None on the last stage
+    assert (grad_out is None) == (rank == W - 1)
+    if grad_out is None:
         out.pow(2).sum().backward()                                # the loss lives on the last stage only
     else:
-        grad_out = recv_backward(out.shape, out.dtype, device)
         torch.testing.assert_close(grad_out, ref_acts[rank + 1].grad)
         out.backward(grad_out)
     send_backward(inp.grad)
@@ -200,7 +202,7 @@ def main():
     torch.testing.assert_close(stage.weight.grad, ref_layers[rank].weight.grad)
     torch.testing.assert_close(stage.bias.grad, ref_layers[rank].bias.grad)
     if W == 1:
-        log("W=1: one stage holds the whole model, nothing to send; its grads equal the reference's")
+        log("W=1: one stage, both recvs return None; its grads equal the reference's")
     else:
         log(f"each boundary: {out.nbytes} B activation right (tag {TAG_RIGHT}), {out.nbytes} B gradient left "
             f"(tag {TAG_LEFT})")
@@ -237,12 +239,20 @@ def main():
     log(f"rank r holds rank (r-1)'s tensor ({sent(got.nbytes)})")
 
     head("4. both neighbours at once: batch_isend_irecv, and even/odd isend/irecv")
+    sub = dist.new_group(list(range(1, W))) if W >= 3 else None   # ranks 1..W-1: group rank = global rank - 1
+    rings = [(None, list(range(W)))] + ([(sub, list(range(1, W)))] if sub is not None else [])
     for name, exchange in (("batch_isend_irecv", batched_p2p_ops), ("even/odd isend/irecv", p2p_ops)):
-        from_prev, from_next = torch.empty(3, **f64), torch.empty(3, **f64)
-        wait_all(exchange(send_next=payload(rank, 2), send_prev=payload(rank, 3),
-                          recv_prev=from_prev, recv_next=from_next))
-        assert torch.equal(from_prev, payload(prev, 2)) and torch.equal(from_next, payload(nxt, 3))
-        log(f"{name}: rank r holds prev's rightward and next's leftward tensor ({sent(2 * from_prev.nbytes)})")
+        for group, ring in rings:
+            if rank not in ring:
+                continue
+            i, n = ring.index(rank), len(ring)
+            from_prev, from_next = torch.empty(3, **f64), torch.empty(3, **f64)
+            wait_all(exchange(send_next=payload(rank, 2), send_prev=payload(rank, 3),
+                              recv_prev=from_prev, recv_next=from_next, group=group))
+            assert torch.equal(from_prev, payload(ring[(i - 1) % n], 2))  # prev's rightward tensor
+            assert torch.equal(from_next, payload(ring[(i + 1) % n], 3))  # next's leftward tensor
+        log(f"{name}: rank r holds prev's rightward and next's leftward tensor ({sent(2 * from_prev.nbytes)})"
+            + (", also in the ring of ranks 1..W-1" if sub is not None else ""))
     if W == 2:  # Megatron's batched order, untagged: rank 0's leftward message meets rank 1's first recv
         a, b = torch.empty(3, **f64), torch.empty(3, **f64)
         ops = [dist.P2POp(dist.isend, payload(rank, 3), prev), dist.P2POp(dist.irecv, a, prev),
@@ -260,7 +270,8 @@ def main():
         assert got.shape == mb.shape and torch.equal(got, mb + rank), (m, got.shape)
         if rank < W - 1:
             send_with_shape(got + 1, rank + 1)
-    hdr = 8 * (MAX_NDIM + 1)
+    hdr = shape_header(micro[0].shape, device).nbytes
+    assert hdr == 8 * (MAX_NDIM + 1)
     log(f"3 micro-batches of {seq_lens} tokens x {H}: each stage allocates from a {hdr} B header, then receives"
         + (" (W=1: nothing to send; the header round-trips)" if W == 1 else ""))
 
