@@ -19,13 +19,12 @@ Attention is split the same way by heads: QKV column-parallel, output projection
 Bytes each rank sends per block, for activations of V = batch * seq * hidden * bytes: a ring all-reduce of
 2 (p-1)/p * V forward (g) and the same backward (f); 4 all-reduces per transformer layer (MLP + attention).
 scatter sends nothing; gather (all-gather) sends (p-1)/p of the gathered tensor.
+Parameters: each rank holds 1/p of every weight and column bias; the row layer's bias is whole on every rank.
 In training, TP groups are ranks on one node (the heaviest traffic), nested in a data-parallel grid:
     4 ranks as TP 2 x DP 2:  TP groups [0, 1] [2, 3] (inside a node),  DP groups [0, 2] [1, 3] (across nodes)
 
     torchrun --nproc-per-node=4 05_tp_layers.py
 """
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -41,7 +40,7 @@ def _divide(what: str, value: int, group) -> int:
 
 
 def _reduce(x, group):
-    """Sum of x over the group, in a new tensor (the caller's tensor is left alone)."""
+    """Sum of x over the group; the caller's tensor is left alone."""
     if dist.get_world_size(group) == 1:
         return x
     x = x.clone(memory_format=torch.contiguous_format)
@@ -68,7 +67,7 @@ def _gather_along_last_dim(x, group):
 class _CopyToModelParallelRegion(torch.autograd.Function):
     """forward: identity; backward: all-reduce (the f operator)."""
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group=None):
         ctx.group = group
         return x
 
@@ -80,7 +79,7 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
     """forward: all-reduce; backward: identity (the g operator, conjugate of f)."""
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group=None):
         return _reduce(x, group)
 
     @staticmethod
@@ -91,7 +90,7 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
 class _ScatterToModelParallelRegion(torch.autograd.Function):
     """forward: split the last dim, keep this rank's slice; backward: all-gather along the last dim."""
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group=None):
         ctx.group = group
         return _split(x, -1, group)
 
@@ -103,7 +102,7 @@ class _ScatterToModelParallelRegion(torch.autograd.Function):
 class _GatherFromModelParallelRegion(torch.autograd.Function):
     """forward: all-gather along the last dim; backward: split the last dim, keep this rank's slice."""
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group=None):
         ctx.group = group
         return _gather_along_last_dim(x, group)
 
@@ -112,20 +111,11 @@ class _GatherFromModelParallelRegion(torch.autograd.Function):
         return _split(grad, -1, ctx.group), None
 
 
-def copy_to_tensor_model_parallel_region(x, group=None):
-    return _CopyToModelParallelRegion.apply(x, group)
-
-
-def reduce_from_tensor_model_parallel_region(x, group=None):
-    return _ReduceFromModelParallelRegion.apply(x, group)
-
-
-def scatter_to_tensor_model_parallel_region(x, group=None):
-    return _ScatterToModelParallelRegion.apply(x, group)
-
-
-def gather_from_tensor_model_parallel_region(x, group=None):
-    return _GatherFromModelParallelRegion.apply(x, group)
+# Megatron's public names, each called as name(x, group=None)
+copy_to_tensor_model_parallel_region = _CopyToModelParallelRegion.apply
+reduce_from_tensor_model_parallel_region = _ReduceFromModelParallelRegion.apply
+scatter_to_tensor_model_parallel_region = _ScatterToModelParallelRegion.apply
+gather_from_tensor_model_parallel_region = _GatherFromModelParallelRegion.apply
 
 
 # ---- layers ------------------------------------------------------------------------------------------
@@ -137,12 +127,13 @@ class _ParallelLinear(nn.Module):
         super().__init__()
         self.group = group
         shape = [out_features, in_features]
-        shape[self.weight_dim] = _divide(("out_features", "in_features")[self.weight_dim], shape[self.weight_dim],
-                                         group)
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
-        for p in self.parameters():  # nn.Linear's init and fan-in; seed TP ranks apart, or use from_dense
-            nn.init.uniform_(p, -in_features ** -0.5, in_features ** -0.5)
+        name = ("out_features", "in_features")[self.weight_dim]
+        shape[self.weight_dim] = _divide(name, shape[self.weight_dim], group)
+        # nn.Linear's bound. Ranks seeded alike draw equal shards: seed TP ranks apart, or use from_dense.
+        # Biases start at 0, as in Megatron: the row layer's bias must be equal on every rank.
+        bound = in_features ** -0.5
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.zeros(shape[0], device=device, dtype=dtype)) if bias else None
 
     def shard(self, weight, bias=None):
         """This rank's part of a dense layer's (weight, bias), or of their gradients."""
@@ -156,9 +147,8 @@ class _ParallelLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
                     device=linear.weight.device, dtype=linear.weight.dtype, **options)
         with torch.no_grad():
-            for param, shard in zip((layer.weight, layer.bias), layer.shard(linear.weight, linear.bias)):
-                if param is not None:
-                    param.copy_(shard)
+            for param, shard in zip(layer.parameters(), layer.shard(linear.weight, linear.bias)):  # weight, bias
+                param.copy_(shard)
         return layer
 
 
@@ -201,19 +191,12 @@ class RowParallelLinear(_ParallelLinear):
         return y if self.bias is None else y + self.bias
 
 
-class ParallelMLP(nn.Module):
-    """fc1 column-parallel (its output stays split), the activation on this rank's columns, fc2 row-parallel."""
-    def __init__(self, fc1: ColumnParallelLinear, act: nn.Module, fc2: RowParallelLinear):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = fc1, act, fc2
-
-    @classmethod
-    def from_dense(cls, mlp: nn.Sequential, group=None):       # mlp = Sequential(Linear, GELU(), Linear)
-        fc1, act, fc2 = mlp
-        return cls(ColumnParallelLinear.from_dense(fc1, group), act, RowParallelLinear.from_dense(fc2, group))
-
-    def forward(self, x):                                       # [b, s, h] -> [b, s, ffn/p] -> [b, s, h]
-        return self.fc2(self.act(self.fc1(x)))
+def parallel_mlp(mlp: nn.Sequential, group=None) -> nn.Sequential:
+    """The parallel MLP holding this rank's shards of mlp = Sequential(Linear, activation, Linear):
+    fc1 column-parallel (its output stays split), the activation on this rank's columns, fc2 row-parallel.
+        x [b, s, h] --fc1--> [b, s, ffn/p] --act--> [b, s, ffn/p] --fc2--> [b, s, h]"""
+    fc1, act, fc2 = mlp
+    return nn.Sequential(ColumnParallelLinear.from_dense(fc1, group), act, RowParallelLinear.from_dense(fc2, group))
 
 
 def head_major(t, heads):
@@ -233,9 +216,10 @@ class ParallelSelfAttention(nn.Module):
 
     @classmethod
     def from_dense(cls, mha: nn.MultiheadAttention, group=None):
-        if not (mha.batch_first and mha._qkv_same_embed_dim) or mha.bias_k is not None or mha.add_zero_attn:
+        if not mha.batch_first or mha.in_proj_weight is None or mha.bias_k is not None or mha.add_zero_attn \
+                or mha.dropout:
             raise ValueError("from_dense takes nn.MultiheadAttention(batch_first=True), without kdim, vdim, "
-                             "add_bias_kv or add_zero_attn")
+                             f"add_bias_kv, add_zero_attn or dropout (dropout={mha.dropout})")
         local_heads = _divide("num_heads", mha.num_heads, group)
         w = mha.in_proj_weight
         qkv = nn.Linear(w.shape[1], w.shape[0], bias=mha.in_proj_bias is not None, device=w.device, dtype=w.dtype)
@@ -254,63 +238,63 @@ class ParallelSelfAttention(nn.Module):
 
 
 def tp_dp_groups(tp: int):
-    """Lay the world out as a DP x TP grid, TP fastest (rank = dp_rank * tp + tp_rank); return this rank's
-    (tp_group, dp_group). new_group is collective: every rank creates every group, in the same order."""
+    """This rank's (tp_group, dp_group) in a DP x TP grid, TP fastest: rank = dp_rank * tp + tp_rank (the groups
+    torch's init_device_mesh(device_type, (dp, tp)) builds). Every rank creates every group, in the same order."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % tp:
         raise ValueError(f"world size {world} is not divisible by the tensor-parallel size {tp}")
-    mine = {}
-    for kind, groups in (("tp", [range(d * tp, (d + 1) * tp) for d in range(world // tp)]),
-                         ("dp", [range(t, world, tp) for t in range(tp)])):
-        for ranks in groups:
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                mine[kind] = group
-    return mine["tp"], mine["dp"]
+    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(world // tp)]
+    dp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+    return tp_groups[rank // tp], dp_groups[rank % tp]
 
 
 # ---- demo --------------------------------------------------------------------------------------------
 HIDDEN, HEADS, FFN, BATCH, SEQ = 32, 8, 64, 2, 4  # every size divides by p in {1, 2, 4, 8}
-ALLREDUCE = torch.ops.c10d.allreduce_              # the op CommDebugMode counts for dist.all_reduce
-
-
-def run(module, x, dy, counter=contextlib.nullcontext):
-    """Forward, then backward from dy; returns output, input grad and each pass's counter (e.g. CommDebugMode)."""
-    x = x.clone().requires_grad_()
-    with counter() as fwd:
-        y = module(x)
-    with counter() as bwd:
-        y.backward(dy)
-    return y, x.grad, fwd, bwd
+# what CommDebugMode counts for dist.all_reduce and dist.all_gather_single (the c10d ops they call)
+ALLREDUCE, ALLGATHER = torch.ops.c10d.allreduce_, torch.ops.c10d._allgather_base_
 
 
 def check_grads(*layers_and_dense_grads):
     """Each parallel layer's weight and bias grads equal its shard of the dense layer's grads."""
     for layer, weight_grad, bias_grad in layers_and_dense_grads:
-        weight_shard, bias_shard = layer.shard(weight_grad, bias_grad)
-        torch.testing.assert_close(layer.weight.grad, weight_shard)
-        torch.testing.assert_close(layer.bias.grad, bias_shard)
+        for param, want in zip(layer.parameters(), layer.shard(weight_grad, bias_grad)):
+            torch.testing.assert_close(param.grad, want)
+
+
+def check_against_dense(dense_fn, parallel, x, dy, comms, dense_grads):
+    """Forward, then backward from dy: outputs, input grads and grad shards (dense_grads() lists them after the
+    backward) equal; the collectives counted in the parallel forward and backward == comms."""
+    from torch.distributed.tensor.debug import CommDebugMode  # a slow import, so only when the demo runs
+    x_p, x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with CommDebugMode() as fwd:
+        y_p = parallel(x_p)
+    with CommDebugMode() as bwd:
+        y_p.backward(dy)
+    y = dense_fn(x)
+    y.backward(dy)
+    torch.testing.assert_close(y_p, y)
+    torch.testing.assert_close(x_p.grad, x.grad)
+    check_grads(*dense_grads())
+    counts = dict(fwd.get_comm_counts()), dict(bwd.get_comm_counts())
+    assert counts == comms, counts
 
 
 def check_op(op, x, dy, want_y, want_dx, x_replicated, y_replicated):
-    """op's forward and backward values, then the adjoint test <op(x), dy> == <x, op_backward(dy)>.
-    A replicated tensor (the same on every rank) is ONE value: its inner product is counted once.
-    A sharded or partial-sum tensor is spread over the ranks: its inner product sums over them.
-    (Summing a replicated tensor's product over the ranks too would count it p times, and f would fail.)"""
+    """op's forward and backward values, then the adjoint test <op(x), dy> == <x, op_backward(dy)>: a replicated
+    tensor is ONE value, its inner product counted once; a sharded or partial-sum tensor's sums over the ranks."""
     x = x.clone().requires_grad_()
     y = op(x)
     (dx,) = torch.autograd.grad(y, x, dy)
-    assert torch.equal(y, want_y) and torch.equal(dx, want_dx), op.__name__
+    assert torch.equal(y, want_y) and torch.equal(dx, want_dx), op
     inner = [(a * b).sum().detach() for a, b in ((y, dy), (x, dx))]
     for s, replicated in zip(inner, (y_replicated, x_replicated)):
         if not replicated:
             dist.all_reduce(s)
-    assert torch.equal(*inner), (op.__name__, inner)
+    assert torch.equal(*inner), (op, inner)
 
 
 def main():
     from common import finish, head, launched_world_size, log, log_all, refuse, setup
-    from torch.distributed.tensor.debug import CommDebugMode  # counts collectives; imported only by the demo
     W = launched_world_size()
     if HEADS % W:
         refuse(f"{W} ranks: {HEADS} heads, hidden {HIDDEN} and ffn {FFN} split over 1, 2, 4 or 8 ranks only")
@@ -319,7 +303,8 @@ def main():
     randint = lambda seed, *shape: torch.randint(-9, 10, shape, generator=torch.Generator().manual_seed(seed),
                                                  dtype=torch.float64).to(device)  # the same on every rank
     mine = lambda t, r=rank: t.chunk(world, -1)[r]                       # rank r's slice of the last dim
-    allreduce = {ALLREDUCE: 1} if world > 1 else {}                     # a group of one rank needs none
+    once = lambda op, p=world: {op: 1} if p > 1 else {}                 # a group of one rank sends nothing
+    mlp_grads = lambda p_mlp, mlp: [(p, d.weight.grad, d.bias.grad) for p, d in zip(p_mlp[::2], mlp[::2])]
 
     head(f"the four mappings, p = {world}: values and the adjoint test, exact in float64")
     X = [randint(s, BATCH, SEQ, HIDDEN) for s in range(world)]            # rank s's own input
@@ -341,54 +326,44 @@ def main():
     head("ColumnParallelLinear and RowParallelLinear against nn.Linear")
     torch.manual_seed(1)
     dense, x, dy = nn.Linear(HIDDEN, FFN, **f64), randint(2, BATCH, SEQ, HIDDEN), randint(3, BATCH, SEQ, FFN)
-    for cls, options in ((ColumnParallelLinear, {"gather_output": True}),
-                         (RowParallelLinear, {"input_is_parallel": False})):
+    for cls, options, comms in ((ColumnParallelLinear, {"gather_output": True}, (ALLGATHER, ALLREDUCE)),
+                                (RowParallelLinear, {"input_is_parallel": False}, (ALLREDUCE, ALLGATHER))):
         dense.zero_grad()
-        y, dx, _, _ = run(dense, x, dy)
         layer = cls.from_dense(dense, **options)
-        y_p, dx_p, _, _ = run(layer, x, dy)
-        torch.testing.assert_close(y_p, y)
-        torch.testing.assert_close(dx_p, dx)
-        check_grads((layer, dense.weight.grad, dense.bias.grad))
-    log("column (gather_output=True), row (input_is_parallel=False): output, input grad, grad shards == dense")
+        check_against_dense(dense, layer, x, dy, tuple(map(once, comms)),
+                            lambda: [(layer, dense.weight.grad, dense.bias.grad)])
+    log("column (gather_output=True): output, input grad, grad shards == dense; all-gather fwd, all-reduce bwd")
+    log("row (input_is_parallel=False): output, input grad, grad shards == dense; all-reduce fwd, all-gather bwd")
     row = RowParallelLinear.from_dense(dense)
     bias_inside = _reduce(F.linear(mine(x), row.weight, row.bias), None)  # the bias added before g instead
     torch.testing.assert_close(bias_inside - dense(x), (world - 1) * dense.bias.expand_as(bias_inside))
     log(f"the row layer adds its bias once, after the all-reduce; before it, the bias would count {world} times")
-    for make, name in ((lambda: ColumnParallelLinear(HIDDEN, world + 1), "out_features"),
-                       (lambda: RowParallelLinear(world + 1, HIDDEN), "in_features")):
+    for cls, sizes, name in ((ColumnParallelLinear, (HIDDEN, world + 1), "out_features"),
+                             (RowParallelLinear, (world + 1, HIDDEN), "in_features")):
         try:
-            make()
+            cls(*sizes)
+            assert world == 1, f"{name}={world + 1} was accepted"  # on one rank every size divides
         except ValueError as e:
             assert str(e) == f"{name}={world + 1} is not divisible by the tensor-parallel size {world}", e
             log(f"refused: ValueError('{e}')")
-        else:
-            assert world == 1, f"{name}={world + 1} was accepted"  # on one rank every size divides
 
     def check_block(name, dense_fn, dense, parallel, dense_grads):
-        """Output, input grad and every grad shard == dense; one all-reduce each way; 1/p of the bytes."""
+        """Output and every grad == dense; one all-reduce each way; each weight split p ways."""
         x, dy = randint(4, BATCH, SEQ, HIDDEN), randint(5, BATCH, SEQ, HIDDEN)
-        y, dx, _, _ = run(dense_fn, x, dy)
-        y_p, dx_p, fwd, bwd = run(parallel, x, dy, CommDebugMode)
-        torch.testing.assert_close(y_p, y)
-        torch.testing.assert_close(dx_p, dx)
-        check_grads(*dense_grads())
+        check_against_dense(dense_fn, parallel, x, dy, (once(ALLREDUCE), once(ALLREDUCE)), dense_grads)
         log(f"{name}: output, input grad and every weight and bias grad shard == dense")
-        fwd, bwd = dict(fwd.get_comm_counts()), dict(bwd.get_comm_counts())
-        assert fwd == allreduce and bwd == allreduce, (fwd, bwd)
-        log(f"{name}: CommDebugMode counts {len(allreduce)} all-reduce forward (g), {len(allreduce)} backward (f)")
-        # every weight is split p ways; only the row layer's bias (HIDDEN floats) is whole on every rank
-        nbytes = lambda m: sum(t.numel() * t.element_size() for t in m.parameters())
-        assert world * nbytes(parallel) == nbytes(dense) + (world - 1) * HIDDEN * 8
-        log(f"{name}: {nbytes(parallel)} parameter bytes per rank = 1/{world} of {nbytes(dense)} "
-            f"+ {(world - 1) * HIDDEN * 8 // world} for the row bias every rank keeps")
+        log(f"{name}: CommDebugMode counts {world > 1:d} all-reduce forward (g), {world > 1:d} backward (f)")
+        per_rank, whole = (sum(t.nbytes for t in m.parameters()) for m in (parallel, dense))
+        bias = HIDDEN * torch.float64.itemsize  # the row layer's bias: the one parameter kept whole, not split
+        assert world * per_rank == whole + (world - 1) * bias, (per_rank, whole, bias)
+        log(f"{name}: {per_rank} parameter bytes per rank = ({whole} - {bias}) / {world} + {bias}: "
+            f"all split but the row bias, whole on every rank")
 
     head(f"parallel MLP, p = {world}: column -> GeLU -> row, against nn.Sequential")
     torch.manual_seed(2)
     mlp = nn.Sequential(nn.Linear(HIDDEN, FFN, **f64), nn.GELU(), nn.Linear(FFN, HIDDEN, **f64))
-    p_mlp = ParallelMLP.from_dense(mlp)
-    check_block("MLP", mlp, mlp, p_mlp, lambda: [(p_mlp.fc1, mlp[0].weight.grad, mlp[0].bias.grad),
-                                                 (p_mlp.fc2, mlp[2].weight.grad, mlp[2].bias.grad)])
+    p_mlp = parallel_mlp(mlp)
+    check_block("MLP", mlp, mlp, p_mlp, lambda: mlp_grads(p_mlp, mlp))
 
     head(f"parallel self-attention: {HEADS} heads, {HEADS // world} per rank, against nn.MultiheadAttention")
     torch.manual_seed(3)
@@ -406,6 +381,7 @@ def main():
     tp_group, dp_group = tp_dp_groups(tp)
     log(f"{world} ranks -> TP {tp} x DP {dp}: a TP group is consecutive ranks (one node), a DP group strided")
     members = [dist.get_process_group_ranks(g) for g in (tp_group, dp_group)]
+    assert members == [[dp_rank * tp + t for t in range(tp)], [d * tp + rank % tp for d in range(dp)]], members
     log_all(f"TP group {members[0]}, DP group {members[1]}")
     sums = [_reduce(torch.tensor([2.0 ** rank], **f64), g).item() for g in (tp_group, dp_group)]  # same tensor
     assert sums == [sum(2.0 ** r for r in ranks) for ranks in members], sums
@@ -414,20 +390,18 @@ def main():
     # each DP replica feeds its own micro-batch to an MLP split over its own TP group
     torch.manual_seed(4)
     mlp = nn.Sequential(nn.Linear(HIDDEN, FFN, **f64), nn.GELU(), nn.Linear(FFN, HIDDEN, **f64))
-    p_mlp = ParallelMLP.from_dense(mlp, group=tp_group)
+    p_mlp = parallel_mlp(mlp, group=tp_group)
     xs = [randint(10 + d, BATCH, SEQ, HIDDEN) for d in range(dp)]
     dys = [randint(20 + d, BATCH, SEQ, HIDDEN) for d in range(dp)]
-    y, _, fwd, bwd = run(p_mlp, xs[dp_rank], dys[dp_rank], CommDebugMode)
-    torch.testing.assert_close(y, mlp(xs[dp_rank]))             # so g summed inside this replica only
-    assert dict(fwd.get_comm_counts()) == dict(bwd.get_comm_counts()) == ({ALLREDUCE: 1} if tp > 1 else {})
+    check_against_dense(mlp, p_mlp, xs[dp_rank], dys[dp_rank], (once(ALLREDUCE, tp),) * 2,
+                        lambda: mlp_grads(p_mlp, mlp))  # so g summed inside this TP group only
     for p in p_mlp.parameters():                                # DP: average each grad shard over the replicas
         dist.all_reduce(p.grad, group=dp_group)
         p.grad /= dp
+    mlp.zero_grad()
     (sum((mlp(x) * dy).sum() for x, dy in zip(xs, dys)) / dp).backward()  # dense: all micro-batches at once
-    check_grads((p_mlp.fc1, mlp[0].weight.grad, mlp[0].bias.grad),
-                (p_mlp.fc2, mlp[2].weight.grad, mlp[2].bias.grad))
-    log("TP MLP in each TP group, on its replica's micro-batch: output == dense; after the DP all-reduce,")
-    log(f"every grad shard == the dense grad over all {dp} micro-batches")
+    check_grads(*mlp_grads(p_mlp, mlp))
+    log(f"TP MLP == dense on its replica's micro-batch; DP-averaged grad shards == dense over all {dp} of them")
     finish(f"f/g/scatter/gather, column/row layers, MLP, attention == dense at TP={world}; TP {tp} x DP {dp}")
 
 
