@@ -23,16 +23,18 @@ so data-parallel training pays about 2V per step whether it all-reduces (DDP) or
 all-gathers parameters (ZeRO): lesson 09.
 
 The ring (ring_all_reduce below): V is cut into W chunks; rank r sends to r+1 and receives from r-1.
-  reduce-scatter, W-1 steps: at step s rank r sends its partial sum of chunk r-s and adds the partial sum of
-                             chunk r-s-1 it receives into its own; then rank r holds the full sum of chunk r+1.
-  all-gather,     W-1 steps: at step s rank r sends the finished chunk r+1-s and receives chunk r-s (copied).
+  reduce-scatter, W-1 steps: at step s rank r sends its partial sum of chunk r-1-s and adds the partial sum of
+                             chunk r-2-s it receives into its own. It sends every chunk but r, and ends holding
+                             the full sum of chunk r, as in the picture.
+  all-gather,     W-1 steps: at step s rank r sends the finished chunk r-s and copies in chunk r-1-s. It sends
+                             every chunk but r+1, the last one it receives.
   2(W-1) steps of one chunk (V/W) each = 2(W-1)/W * V. At W = 1 there is no step.
 
 In autograd (forward / backward; Megatron mappings.py names for dim 0):
   all_gather(x, dim)      all-gather along dim / reduce-scatter along dim  (gather_from_sequence_parallel_region)
   reduce_scatter(x, dim)  reduce-scatter along dim / all-gather along dim  (reduce_scatter_to_sequence_parallel_region)
   all_reduce(x)           all-reduce / identity    (reduce_from_tensor_model_parallel_region, "g")
-  all_reduce(x, backward="all_reduce")   all-reduce / all-reduce   (torch.distributed.nn.functional.all_reduce)
+  all_reduce(x, backward="all_reduce")   all-reduce / all-reduce   (torch's own differentiable all_reduce)
 Which all-reduce backward is right depends on how the loss counts the output: see all_reduce().
 
 Run:  torchrun --nproc-per-node=4 03_allreduce_rs_ag.py
@@ -123,9 +125,8 @@ def all_reduce(x, group=None, backward="identity"):
                            every rank already holds.
     backward="all_reduce"  each rank's copy feeds its own loss term and the loss is the sum of the terms over
                            ranks. dL/dx_r = sum over s of dL_s/dout_s: all-reduce the gradients.
-    Mixing them double-counts: "all_reduce" under a loss counted once gives W times the gradient (and a Megatron
-    block whose f already all-reduces in backward would count it again); "identity" under a summed loss keeps
-    only this rank's term.
+    Mixing them is wrong: "all_reduce" under a loss counted once gives W times the gradient; "identity" under a
+    summed loss keeps only this rank's term.
     """
     if backward not in _ALL_REDUCE_BACKWARD:
         raise ValueError(f"all_reduce: backward={backward!r}; use 'identity' or 'all_reduce'")
@@ -146,16 +147,17 @@ def reduce_scatter(x, dim, group=None):
 def _ring_steps(chunks, first, add, group):
     """W-1 ring steps; at step s send chunks[first-s] to the next rank and receive chunks[first-s-1] from the
     previous one, adding it in (reduce-scatter) or copying it over (all-gather). Returns the bytes sent."""
-    W, r = len(chunks), dist.get_rank(group)
-    group = group or dist.group.WORLD                   # group_dst/group_src are ranks in this group
+    W, r = len(chunks), dist.get_rank(group)            # r is the rank in the group, as group_dst/group_src are
     inbox = torch.empty_like(chunks[0])                 # chunk 0 is a largest one
     sent = 0
     for s in range(W - 1):                              # W = 1: no step, nothing to wait for
         send, recv = chunks[(first - s) % W], chunks[(first - s - 1) % W]
         got = inbox[:recv.numel()]
-        # both posted before either is waited on: every rank sends and receives at once, no deadlock
-        reqs = [dist.isend(send, group=group, group_dst=(r + 1) % W),
-                dist.irecv(got, group=group, group_src=(r - 1) % W)]
+        to_next = lambda: dist.isend(send, group=group, group_dst=(r + 1) % W)
+        from_prev = lambda: dist.irecv(got, group=group, group_src=(r - 1) % W)
+        # NCCL runs a rank's isend and irecv in the order posted and a send waits for its recv, so if every rank
+        # posted its send first the ring would wait on itself: even ranks send first, odd ranks receive first.
+        reqs = [to_next(), from_prev()] if r % 2 == 0 else [from_prev(), to_next()]
         for req in reqs:
             req.wait()
         (recv.add_ if add else recv.copy_)(got)
@@ -173,12 +175,24 @@ def ring_all_reduce(x, group=None):
     W, r = dist.get_world_size(group), dist.get_rank(group)
     out = x.detach().clone(memory_format=torch.contiguous_format)
     chunks = out.view(-1).tensor_split(W)               # views into out, summed in place
-    rs_bytes = _ring_steps(chunks, r, add=True, group=group)        # then rank r holds the full chunk r+1
-    ag_bytes = _ring_steps(chunks, r + 1, add=False, group=group)   # pass the finished chunks around
+    rs_bytes = _ring_steps(chunks, r - 1, add=True, group=group)    # then rank r holds the full sum of chunk r
+    ag_bytes = _ring_steps(chunks, r, add=False, group=group)       # pass the finished chunks around
     return out, rs_bytes, ag_bytes
 
 
 # ---- demo ----------------------------------------------------------------------------------------------
+def torch_functional_collectives():
+    """torch's own differentiable collectives to compare ours with, or None where this torch has none that fit.
+
+    Not torch.distributed.nn.functional: torch 2.13 deprecates it (a FutureWarning on every call, and a warning
+    fails this course's tests) and names this module as its replacement. Private by name, it is what DTensor is
+    built on, and on 2.13 its all_reduce, all_gather_single and reduce_scatter_single carry autograd. Older torch
+    lacks those names: the comparison is skipped there, and dense autograd still checks every op.
+    """
+    import torch.distributed._functional_collectives as funcol
+    return funcol if hasattr(funcol, "all_gather_single") else None
+
+
 def adjoint(out, y, x, grad):
     """(sum over ranks of <op(x), y>, sum over ranks of <x, op_backward(y)>): equal when backward = transpose."""
     dots = torch.stack([(out * y).sum(), (x * grad).sum()]).detach()
@@ -215,14 +229,10 @@ def error_of(fn):
 
 def main():
     from common import finish, head, log, log_all, overlap, setup, time_overlap
-    # torch's own differentiable collectives, to compare with. torch.distributed.nn.functional has all_reduce
-    # (backward: all-reduce) and list-based all_gather / reduce_scatter, but on torch 2.13 calling them prints
-    # a FutureWarning that names these replacements (importing it prints nothing).
-    import torch.distributed._functional_collectives as funcol
     rank, W, device = setup()
     f64 = dict(dtype=torch.float64, device=device)     # integer-valued float64: every sum below is exact
-    world = dist.group.WORLD
-    has_funcol = hasattr(funcol, "all_gather_single")  # torch >= 2.13 names, with autograd
+    world, funcol = dist.group.WORLD, torch_functional_collectives()
+    same_as_torch = "; == torch's own (_functional_collectives)" if funcol else "; torch < 2.13: not vs torch's own"
 
     head("1. all-reduce, reduce-scatter, all-gather: AG(RS(x)) == AR(x)")
     n = 2                                               # elements per chunk; V = n * W
@@ -240,31 +250,39 @@ def main():
     log(f"all-gather of those = all-reduce = {ar.long().tolist()} on every rank")
 
     head("2. ring all-reduce from isend/irecv: W-1 reduce-scatter steps, then W-1 all-gather steps")
-    for shape in [(W, 3), (3 * W + 1,), (1,)]:          # V divisible by W; V not (W > 1); V < W (empty chunks)
-        X = torch.randint(-50, 50, (W, *shape), **f64)
-        ring, rs_b, ag_b = ring_all_reduce(X[rank])
-        ref = X[rank].clone()
-        dist.all_reduce(ref)
-        assert torch.equal(ring, X.sum(0)) and torch.equal(ring, ref)
-        V, e = X[rank].numel(), X.element_size()
-        chunk = [V // W + (c < V % W) for c in range(W)]   # tensor_split's chunk sizes
-        # reduce-scatter sends every chunk but r+1 (the one it ends up holding); all-gather every chunk but r+2
-        # (the last one it receives). So each phase is (W-1)/W * V to within one element, the sum within two.
-        assert rs_b == (V - chunk[(rank + 1) % W]) * e and ag_b == (V - chunk[(rank + 2) % W]) * e
-        assert all(abs(b - (W - 1) / W * V * e) < e for b in (rs_b, ag_b))
-        log(f"V = {V} x {e} B: sent {rs_b} B reduce-scatter + {ag_b} B all-gather = {rs_b + ag_b} B; "
-            f"2(W-1)/W*V = {2 * (W - 1) / W * V * e:g} B; == dist.all_reduce")
+    # the world, then the even and the odd ranks as sub-groups (new_group is collective: every rank creates
+    # both). In the odd group global rank 3 is group rank 1: the ring must name its peers by group rank.
+    parity = [dist.new_group(list(range(p, W, 2))) for p in range(min(W, 2))][rank % 2]
+    for group in (None, parity):
+        members = dist.get_process_group_ranks(group or world)
+        G, r = len(members), dist.get_rank(group)       # group size, rank in the group
+        for shape in [(W, 3), (3 * W + 1,), (1,)]:      # world: V divisible by W; V not (W > 1); V < W
+            X = torch.randint(-50, 50, (W, *shape), **f64)
+            ring, rs_b, ag_b = ring_all_reduce(X[rank], group)
+            ref = X[rank].clone()
+            dist.all_reduce(ref, group=group)
+            assert torch.equal(ring, X[members].sum(0)) and torch.equal(ring, ref)
+            V, e = X[rank].numel(), X.element_size()
+            chunk = [V // G + (c < V % G) for c in range(G)]   # tensor_split's chunk sizes
+            # reduce-scatter sends every chunk but r (the one it ends with), all-gather every chunk but r+1 (the
+            # last one it receives): each phase is (G-1)/G * V to within one element, the sum within two
+            assert rs_b == (V - chunk[r]) * e and ag_b == (V - chunk[(r + 1) % G]) * e
+            assert all(abs(b - (G - 1) / G * V * e) < e for b in (rs_b, ag_b))
+            if group is None:
+                log(f"V = {V} x {e} B: sent {rs_b} B reduce-scatter + {ag_b} B all-gather = {rs_b + ag_b} B; "
+                    f"2(W-1)/W*V = {2 * (W - 1) / W * V * e:g} B; == dist.all_reduce")
+    log("even ranks, odd ranks as sub-groups (group rank != global rank): == dist.all_reduce, 2(G-1)/G*V bytes")
 
     head("3. all_reduce in autograd: identity backward vs all-reduce backward")
     X = torch.randint(-9, 10, (W, 3, 4), **f64)         # rank s holds X[s]
     Y = torch.randint(-9, 10, (W, 3, 4), **f64)         # rank s's upstream gradient under a summed loss
-    y = Y[0]                                            # one upstream gradient, the same on every rank
     summed = lambda Xd: Xd.sum(0, keepdim=True).expand(W, 3, 4)
     # a loss summing one term per rank, L = sum_r <out_r, Y[r]>: the all-reduce backward is the transpose
     check_collective(lambda t: all_reduce(t, backward="all_reduce"),
-                     (lambda t: funcol.all_reduce(t, "sum", world)) if has_funcol else None, X, Y, summed)
+                     (lambda t: funcol.all_reduce(t, "sum", world)) if funcol else None, X, Y, summed)
+    y = Y[0]                                            # a loss counted once: every rank holds the same y
     Xd = X.clone().requires_grad_()
-    (Xd.sum(0) * y).sum().backward()                    # a loss counted once: L = <sum_s X[s], y>
+    (Xd.sum(0) * y).sum().backward()                    # L = <sum_s X[s], y>, dense
     once = Xd.grad[rank]                                # = y
 
     def grad_of(backward, upstream):
@@ -278,10 +296,10 @@ def main():
     assert torch.equal(g, once)
     lhs, rhs = adjoint(X.sum(0), y, X[rank], g)         # one output in W copies: its transpose counts it once
     assert lhs == W * rhs
-    assert torch.equal(grad_of("all_reduce", y), W * once)             # mixing: W times the true gradient
-    assert torch.equal(grad_of("identity", Y[rank]), Y[rank])          # mixing: only this rank's term ...
-    assert W == 1 or not torch.equal(Y[rank], Y.sum(0))                # ... of the summed gradient
-    log("summed loss: backward=all_reduce == dense autograd (sum_r Y[r]), adjoint test holds")
+    assert torch.equal(grad_of("all_reduce", y), W * once)         # mixing: W times the true gradient
+    g = grad_of("identity", Y[rank])                                # mixing: only this rank's term ...
+    assert torch.equal(g, Y[rank]) and (W == 1 or not torch.equal(g, Y.sum(0)))   # ... of the true sum_r Y[r]
+    log(f"summed loss: backward=all_reduce == dense autograd (sum_r Y[r]), adjoint test holds{same_as_torch}")
     log(f"loss counted once: backward=identity == dense autograd (y); backward=all_reduce gives {W} x y")
 
     head("4. all_gather / reduce_scatter along any dim: each one's backward is the other")
@@ -290,16 +308,14 @@ def main():
         gathered = lambda Xd: torch.stack([torch.cat(list(Xd), dim)] * W)
         Y = torch.randint(-9, 10, gathered(X).shape, **f64)
         check_collective(lambda t: all_gather(t, dim),
-                         (lambda t: funcol.all_gather_single(t, dim, world)) if has_funcol else None, X, Y, gathered)
+                         (lambda t: funcol.all_gather_single(t, dim, world)) if funcol else None, X, Y, gathered)
         shape = [2, 3, 4]
         shape[dim] *= W                                  # reduce-scatter input: W blocks along dim
         scattered = lambda Xd: torch.stack(Xd.sum(0).chunk(W, dim))
         check_collective(lambda t: reduce_scatter(t, dim),
-                         (lambda t: funcol.reduce_scatter_single(t, "sum", dim, world)) if has_funcol else None,
+                         (lambda t: funcol.reduce_scatter_single(t, "sum", dim, world)) if funcol else None,
                          torch.randint(-9, 10, (W, *shape), **f64), torch.randint(-9, 10, X.shape, **f64), scattered)
-    log("dims 0, 1, 2, -1: forward and backward == dense autograd, adjoint test holds, inputs untouched")
-    log("same as torch.distributed._functional_collectives" if has_funcol else
-        "torch < 2.13: the comparison with torch.distributed._functional_collectives is skipped")
+    log(f"dims 0, 1, 2, -1: fwd and bwd == dense autograd, adjoint test holds, inputs untouched{same_as_torch}")
     msg = error_of(lambda: all_reduce(X[rank], backward="sum"))
     assert "backward='sum'" in msg
     if W > 1:
