@@ -91,6 +91,7 @@ class VocabParallelEmbedding(nn.Module):
                                       rank 2 (rows 24-35) -> [0,   0,   0 ]   ---------->  on every rank
                                       rank 3 (rows 36-47) -> [0,   0,  e40]
     Backward: `g`'s backward is the identity; each rank's rows receive the grads of the ids it holds, locally.
+    Ids outside [0, V) come out as zero rows (nn.Embedding raises instead).
     Initialised N(0, 1) like nn.Embedding from each rank's RNG; use from_dense() to match a dense table.
     """
 
@@ -105,8 +106,10 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, group=None):
         """This rank's rows of a dense nn.Embedding."""
-        if embedding.padding_idx is not None or embedding.max_norm is not None:
-            raise ValueError("from_dense copies plain embeddings only (padding_idx=None, max_norm=None)")
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.scale_grad_by_freq \
+                or embedding.sparse:
+            raise ValueError("from_dense copies plain embeddings only "
+                             "(padding_idx=None, max_norm=None, scale_grad_by_freq=False, sparse=False)")
         w = embedding.weight
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device=w.device, dtype=w.dtype)
         with torch.no_grad():
@@ -187,35 +190,30 @@ def main():
     if V % launched_world_size():
         refuse(f"the vocabulary of {V} rows does not split evenly over {launched_world_size()} ranks; "
                f"use 1, 2, 3, 4, 6 or 8")
-    import warnings
     from torch.distributed.tensor.debug import CommDebugMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
 
-    class Watch(TorchDispatchMode):
-        """While active: all-reduces (counted by CommDebugMode), elements they carry, largest tensor made."""
+    class Watch(CommDebugMode):
+        """CommDebugMode counts collectives; this also adds up the elements all-reduced and the size of the
+        largest tensor any op makes. CommDebugMode is a dispatch mode: it sees every op, those autograd runs in
+        backward too (torch.cuda's memory statistics would, on CUDA only). Its module tracker puts a backward
+        hook on every module called inside it, and torch warns when that hook fires on a module whose only
+        input is integer ids: so an embedding is counted in a no_grad forward, and runs for backward outside."""
 
         def __enter__(self):
-            # CommDebugMode hooks every module's backward; torch warns about that hook when a module's only input
-            # is integer ids (the embedding). The note is about the measuring tool: muted while it measures.
-            self.quiet = warnings.catch_warnings()
-            self.quiet.__enter__()
-            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
-            self.comm, self.reduced, self.largest = CommDebugMode().__enter__(), 0, 0
+            self.reduced, self.largest = 0, 0
             return super().__enter__()
 
         def __exit__(self, *exc):
             super().__exit__(*exc)
-            self.comm.__exit__(*exc)
-            self.quiet.__exit__(*exc)
-            self.all_reduces = self.comm.get_comm_counts()[torch.ops.c10d.allreduce_]
-            assert self.comm.get_total_counts() == self.all_reduces, "only all-reduces expected"
+            self.all_reduces = self.get_comm_counts()[torch.ops.c10d.allreduce_]
+            assert self.get_total_counts() == self.all_reduces, "only all-reduces expected"
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            out = super().__torch_dispatch__(func, types, args, kwargs)
             if func._overloadpacket is torch.ops.c10d.allreduce_:
                 self.reduced += sum(t.numel() for t in args[0])
-            self.largest = max([self.largest] + [t.numel() for t in tree_leaves(out) if torch.is_tensor(t)])
+            outs = out if isinstance(out, (tuple, list)) else (out,)  # an op returns a tensor or a tuple of them
+            self.largest = max([self.largest] + [t.numel() for t in outs if torch.is_tensor(t)])
             return out
 
     rank, world, device = setup()
@@ -237,13 +235,14 @@ def main():
     held = int(((ids >= lo) & (ids < hi)).sum())
     assert held > 0
     grad_out = torch.randn(B, T, D, **f64)
-    with Watch() as fwd:
-        out = layer(ids)                                              # (B, T, D) on every rank
-    with Watch() as bwd:
-        out.backward(grad_out)
     ref = dense(ids)
     ref.backward(grad_out)
-    assert torch.equal(out, ref), "one nonzero term per token: the sum is exact"
+    out = layer(ids)                                                  # (B, T, D) on every rank
+    with Watch() as bwd:
+        out.backward(grad_out)
+    with Watch() as fwd, torch.no_grad():                             # the forward again, counted (see Watch)
+        counted = layer(ids)
+    assert torch.equal(out, ref) and torch.equal(counted, ref), "one nonzero term per token: the sum is exact"
     assert torch.equal(layer.weight.grad, dense.weight.grad[lo:hi])
     assert (fwd.all_reduces, fwd.reduced, bwd.all_reduces) == (1, N * D, 0)
     log_all(f"holds rows [{lo}, {hi}): looks up {held} of the {N} ids; its other {N - held} outputs are zeros")
@@ -297,8 +296,9 @@ def main():
     dense_loss.backward()
     dense_mix_grad, mix.grad = mix.grad, None
     layer = VocabParallelEmbedding.from_dense(dense)
+    hidden = torch.tanh(layer(ids) @ mix)                             # uncounted (see Watch): 1 all-reduce
     with Watch() as fwd:
-        local_logits = parallel_lm_logits(torch.tanh(layer(ids) @ mix), layer.weight)  # (B, T, V/W)
+        local_logits = parallel_lm_logits(hidden, layer.weight)       # (B, T, V/W)
         loss = vocab_parallel_cross_entropy(local_logits, target, label_smoothing=0.1).mean()
     with Watch() as bwd:
         loss.backward()
@@ -306,10 +306,10 @@ def main():
     torch.testing.assert_close(layer.weight.grad, dense.weight.grad[lo:hi])  # embedding + head, summed
     torch.testing.assert_close(mix.grad, dense_mix_grad)
     assert same_on_every_rank(loss) and same_on_every_rank(mix.grad)
-    assert (fwd.all_reduces, fwd.reduced, bwd.all_reduces, bwd.reduced) == (4, N * D + 3 * N, 1, N * D)
+    assert (fwd.all_reduces, fwd.reduced, bwd.all_reduces, bwd.reduced) == (3, 3 * N, 1, N * D)
     assert local_logits.nbytes * world == dense_logits.nbytes
-    log(f"loss, tied-weight grad shard and mixing grad equal the dense model's; all-reduces: 4 forward "
-        f"(embedding + 3 loss), 1 backward (f on dL/dhidden, N*D={N * D})")
+    log(f"loss, tied-weight grad shard and mixing grad equal the dense model's; all-reduces after the embedding: "
+        f"3 forward (the loss), 1 backward (f on dL/dhidden, N*D={N * D})")
     log(f"logits per rank: {local_logits.nbytes} bytes = 1/{world} of the dense {dense_logits.nbytes}")
 
     finish("vocab-parallel embedding, tied LM head and cross-entropy (label smoothing over the global vocabulary) "
