@@ -36,11 +36,13 @@ C = the largest count any rank sends any expert (one all-reduce MAX of one int64
 Gradients: the router is replicated, so its gradient is summed over ranks (as data parallelism does); an
 expert lives on one rank and its gradient already covers every rank's tokens, through the all-to-all backward.
 
-Bytes each rank hands the all-to-alls per forward (b bytes per element; the backward sends as much again):
+Bytes each rank hands the collectives per forward (b bytes per element; the backward hands the same token
+rows again, not the counts):
     bare all-to-all of V bytes     V, of which (W-1)/W * V leave the rank (block i of rank i stays)
     padded MoE                     8E + 2 * E*C*h*b        (+ 8 for the all-reduce MAX when C is not fixed)
     ragged MoE                     8E + (K_out + K_in)*h*b
-K_out: kept assignments this rank routes; K_in: kept assignments its experts serve; both <= E*C.
+K_out: kept assignments this rank routes; K_in: kept assignments its experts serve; both <= E*C, so the
+ragged path never hands over more than the padded one.
 
     torchrun --nproc-per-node=4 04_all_to_all_moe.py
 """
@@ -73,7 +75,8 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(x, output_split_sizes=None, input_split_sizes=None, group=None):
     """Differentiable all-to-all along dim 0. x's rows are cut into W blocks (input_split_sizes, or equal);
     block j goes to rank j; the result stacks the blocks from ranks 0..W-1 (output_split_sizes, or equal).
-    Every rank's input_split_sizes[j] must equal rank j's output_split_sizes[this rank]."""
+    Pass both split lists or neither; every rank's input_split_sizes[j] must equal rank j's
+    output_split_sizes[this rank]."""
     W = dist.get_world_size(group)
     for name, s in (("input_split_sizes", input_split_sizes), ("output_split_sizes", output_split_sizes)):
         if s is not None and (len(s) != W or min(s) < 0):
@@ -81,7 +84,9 @@ def all_to_all(x, output_split_sizes=None, input_split_sizes=None, group=None):
     if input_split_sizes is not None and sum(input_split_sizes) != x.shape[0]:
         raise ValueError(f"input_split_sizes={list(input_split_sizes)} sum to {sum(input_split_sizes)}, "
                          f"but x has {x.shape[0]} rows")
-    if (input_split_sizes is None or output_split_sizes is None) and x.shape[0] % W:
+    if (input_split_sizes is None) != (output_split_sizes is None):
+        raise ValueError("pass both input_split_sizes and output_split_sizes (ragged), or neither (equal blocks)")
+    if input_split_sizes is None and x.shape[0] % W:
         raise ValueError(f"x has {x.shape[0]} rows, which do not split evenly over the {W} ranks; "
                          f"pass input_split_sizes and output_split_sizes")
     return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
@@ -100,11 +105,15 @@ def capacity_keep(expert_idx, num_experts, capacity):
 
 def moe_all_to_all(x, expert_idx, gates, local_experts, num_experts, capacity=None, padded=False, group=None):
     """Expert-parallel MoE core. x [N, h] this rank's tokens; expert_idx, gates [N, k] its routing;
-    local_experts: this rank's E/W experts (global ids rank*L .. rank*L+L-1). Returns out [N, h] and stats."""
+    local_experts: the L = E/W experts this rank r of `group` holds (global ids r*L .. r*L+L-1).
+    Returns out [N, h] and stats: keep [N, k] (False = a dropped assignment) and dropped (how many)."""
     W = dist.get_world_size(group)
     if num_experts % W or len(local_experts) != num_experts // W:
         raise ValueError(f"num_experts={num_experts} over {W} ranks needs {num_experts / W:g} local experts "
                          f"per rank; got {len(local_experts)}")
+    if expert_idx.shape != gates.shape or expert_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_idx {list(expert_idx.shape)} and gates {list(gates.shape)} must both be "
+                         f"[N, k] with N = {x.shape[0]}, the rows of x")
     L, (N, k), dev = num_experts // W, expert_idx.shape, x.device
     keep, queue = capacity_keep(expert_idx, num_experts, capacity)
     tok = torch.arange(N, device=dev)[:, None].expand(N, k)[keep]            # [K] token of each kept assignment
@@ -113,12 +122,12 @@ def moe_all_to_all(x, expert_idx, gates, local_experts, num_experts, capacity=No
     # counts: expert e lives on rank e // L, so these E counts are already grouped by destination rank
     counts = torch.bincount(e, minlength=num_experts)                        # [E]
     recv_counts = all_to_all(counts, group=group).view(W, L)                 # [W, L] from rank s, for expert l
-    meta_bytes, C = counts.numel() * counts.element_size(), capacity
+    C = capacity
     if padded:
         if C is None:                                                        # the global max count
             top = counts.max().view(1)
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            C, meta_bytes = int(top), meta_bytes + top.numel() * top.element_size()
+            C = int(top)
         slot, n_send = e * C + q, num_experts * C                            # row in the [E*C, h] buffer
         in_splits = out_splits = None
         filled = torch.arange(C, device=dev) < recv_counts[..., None]        # [W, L, C] False = padding
@@ -127,7 +136,8 @@ def moe_all_to_all(x, expert_idx, gates, local_experts, num_experts, capacity=No
         slot, n_send = (counts.cumsum(0) - counts)[e] + q, len(e)            # row in the [K, h] buffer
         in_splits = counts.view(W, L).sum(1).tolist()
         out_splits = recv_counts.sum(1).tolist()
-        recv_ids = torch.arange(L, device=dev).repeat(W).repeat_interleave(recv_counts.flatten())
+        recv_ids = torch.arange(L, device=dev).repeat(W).repeat_interleave(recv_counts.flatten(),
+                                                                           output_size=sum(out_splits))
 
     # dispatch
     send = x.new_zeros(n_send, x.shape[1]).index_copy(0, slot, x[tok])
@@ -140,12 +150,11 @@ def moe_all_to_all(x, expert_idx, gates, local_experts, num_experts, capacity=No
     # combine: the reverse trip, then the gate-weighted sum back in token order
     back = all_to_all(y, in_splits, out_splits, group)                      # [rows of send, h]
     out = torch.zeros_like(x).index_add(0, tok, g[:, None] * back[slot])
-    token_bytes = (send.numel() + y.numel()) * x.element_size()
-    return out, dict(keep=keep, dropped=int((~keep).sum()), capacity=C, meta_bytes=meta_bytes,
-                     token_bytes=token_bytes)
+    return out, dict(keep=keep, dropped=int((~keep).sum()))
 
 
 def make_expert(hidden, ffn, **kw):
+    """One expert: a small MLP, hidden -> ffn -> hidden."""
     return nn.Sequential(nn.Linear(hidden, ffn, **kw), nn.GELU(), nn.Linear(ffn, hidden, **kw))
 
 
@@ -153,7 +162,9 @@ class ExpertParallelMoE(nn.Module):
     """Top-k MoE with E experts over the W ranks of `group`, E/W per rank; the router is replicated.
 
         rank r holds: router [E, h] (a copy)   experts r*L .. r*L+L-1   its own N tokens
-    Gates are the top-k softmax probabilities, not renormalised (so the router learns also at k = 1)."""
+    Gates are the top-k softmax probabilities, not renormalised (so the router learns also at k = 1).
+    The caller sums router.weight.grad over the ranks after backward (as data parallelism does), and gives
+    each rank's experts their own initial weights (a seed per rank, or a checkpoint)."""
 
     def __init__(self, hidden, ffn, num_experts, k=1, capacity_factor=None, padded=False, group=None, **kw):
         super().__init__()
@@ -162,6 +173,8 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {W}")
         if not 1 <= k <= num_experts:
             raise ValueError(f"k={k} must be between 1 and num_experts={num_experts}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0, or None for no dropping")
         self.num_experts, self.k, self.cf, self.padded, self.group = num_experts, k, capacity_factor, padded, group
         self.router = nn.Linear(hidden, num_experts, bias=False, **kw)
         self.experts = nn.ModuleList(make_expert(hidden, ffn, **kw) for _ in range(num_experts // W))
@@ -175,10 +188,29 @@ class ExpertParallelMoE(nn.Module):
 
 
 # ---- demo ------------------------------------------------------------------------------------------
+from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402  (the demo's, not the blocks')
 from common import finish, head, launched_world_size, log, log_all, refuse, setup  # noqa: E402
 
 E, H, FFN, N = 8, 4, 8, 8        # experts, hidden size, expert hidden size, tokens per rank
 F64 = torch.float64
+A2A, AR = torch.ops.c10d.alltoall_base_, torch.ops.c10d.allreduce_   # what all_to_all_single, all_reduce run
+
+
+class CommBytes(CommDebugMode):
+    """CommDebugMode counts the collectives; this also adds up the bytes this rank hands them (their inputs)."""
+
+    def __enter__(self):
+        self.handed = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is A2A:                    # args: output, input, group, split sizes, ...
+            self.handed += args[1].nbytes
+        elif func.overloadpacket is AR:                   # args: [tensor], group, op, ...
+            self.handed += args[0][0].nbytes
+        else:                                             # not a collective: skip CommDebugMode's bookkeeping,
+            return func(*args, **(kwargs or {}))          # which costs ~1 ms an op
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def reference_moe(X, router, experts, k, capacity, n_per_rank):
@@ -203,36 +235,53 @@ def reference_moe(X, router, experts, k, capacity, n_per_rank):
 
 def moe_against_one_process(k, cf, rank, W, device):
     """One MoE in one process, then its expert-parallel shards on both dispatch paths: the output and the
-    gradients of the input, the router and every expert must agree. Returns each path's stats and the routing."""
+    gradients of the input, the router and every expert must agree, and each path must hand the collectives
+    the bytes the docstring's formula gives for the reference's routing. Returns those bytes and the routing."""
     torch.manual_seed(k)                        # the same weights and tokens on every rank
     kw = dict(device=device, dtype=F64)
     router, experts = nn.Linear(H, E, bias=False, **kw), [make_expert(H, FFN, **kw) for _ in range(E)]
     X = torch.randn(W * N, H, **kw, requires_grad=True)                     # rank r holds rows r*N .. r*N+N-1
     G = torch.randn(W * N, H, **kw)                                         # upstream gradient
-    ref, idx, keep = reference_moe(X, router, experts, k, None if cf is None else math.ceil(cf * N * k / E), N)
+    cap = None if cf is None else math.ceil(cf * N * k / E)                 # the docstring's C
+    ref, idx, keep = reference_moe(X, router, experts, k, cap, N)
     (ref * G).sum().backward()
 
     L, mine = E // W, slice(rank * N, (rank + 1) * N)
     held = nn.ModuleList(experts[rank * L:(rank + 1) * L])                  # the experts this rank holds
-    grads = lambda experts: torch.cat([p.grad.flatten() for p in experts.parameters()])
-    stats, d_router = {}, []
-    for padded in (False, True):
-        moe = ExpertParallelMoE(H, FFN, E, k, cf, padded, **kw)
+    # the formula's rows, from the reference's routing: ragged moves the kept ones, padded E*C each way
+    k_out, k_in = int(keep[mine].sum()), int((keep & (idx // L == rank)).sum())
+    C = cap if cap is not None else max(int(idx[r * N:(r + 1) * N].flatten().bincount(minlength=E).max())
+                                        for r in range(W))                  # the largest count, over ranks
+    rows = {"ragged": k_out + k_in, "padded": 2 * E * C}
+    handed, d_router = {}, []
+    for path in ("ragged", "padded"):
+        moe = ExpertParallelMoE(H, FFN, E, k, cf, path == "padded", **kw)
         moe.router.load_state_dict(router.state_dict())
         moe.experts.load_state_dict(held.state_dict())
         x = X.detach()[mine].clone().requires_grad_()
-        out = moe(x)
-        (out * G[mine]).sum().backward()
-        assert torch.equal(moe.stats["keep"], keep[mine]), "dropped other assignments than the reference"
+        with CommBytes() as fwd:
+            out = moe(x)
+        with CommBytes() as bwd:
+            (out * G[mine]).sum().backward()
+        assert torch.equal(moe.stats["keep"], keep[mine]), f"{path}: dropped other assignments than the reference"
         assert moe.stats["dropped"] == int((~keep[mine]).sum())
         torch.testing.assert_close(out, ref[mine])
         torch.testing.assert_close(x.grad, X.grad[mine])
-        torch.testing.assert_close(grads(moe.experts), grads(held))         # no sum: every token came here
-        stats[padded], d_router = moe.stats, d_router + [moe.router.weight.grad]
+        for (name, p), p_ref in zip(moe.experts.named_parameters(), held.parameters()):  # no sum over ranks:
+            torch.testing.assert_close(p.grad, p_ref.grad, msg=f"{path}: d expert param {name}")  # all came here
+        d_router.append(moe.router.weight.grad)
+        # forward: counts, dispatch, combine (+ the all-reduce MAX that finds C); backward: combine, dispatch
+        find_C = 8 if path == "padded" and cf is None else 0
+        assert fwd.get_comm_counts() == {A2A: 3, **({AR: 1} if find_C else {})}, f"{path}: forward collectives"
+        assert bwd.get_comm_counts() == {A2A: 2}, f"{path}: backward collectives"
+        assert fwd.handed == 8 * E + find_C + rows[path] * H * 8, f"{path}: handed {fwd.handed} B forward"
+        assert bwd.handed == rows[path] * H * 8, f"{path}: handed {bwd.handed} B backward"
+        handed[path] = fwd.handed
+    assert handed["ragged"] <= handed["padded"], handed
     d_router = torch.stack(d_router)
     dist.all_reduce(d_router)                                               # each rank saw only its own tokens
     torch.testing.assert_close(d_router, router.weight.grad.expand_as(d_router))
-    return stats, idx, keep
+    return handed, dict(C=C, k_out=k_out, k_in=k_in, dropped=int((~keep).sum()))
 
 
 def main():
@@ -279,30 +328,27 @@ def main():
     log(f"k={k}, {N} tokens per rank, {E} experts: out == x and dx == upstream grad, exactly, ragged and padded")
 
     head("MoE layer, expert parallel == one process (output, d input, d router, d every expert)")
+    runs = {}
     for k in (1, 2):
-        stats, idx, keep = moe_against_one_process(k, None, rank, W, device)
+        runs[k] = moe_against_one_process(k, None, rank, W, device)
         log(f"k={k}: {E} experts, {L} per rank, {W * N} tokens: equal for the ragged and the padded path")
 
     head("capacity: assignments beyond C per expert per rank are dropped")
     for k in (1, 2):
-        C = math.ceil(0.5 * N * k / E)
-        capped, _, kept = moe_against_one_process(k, 0.5, rank, W, device)
-        if k == 2:                                                          # pigeonhole: E*C = 8 < N*k = 16
-            assert capped[False]["dropped"] >= N * k - E * C
-        log(f"k={k}, capacity factor 0.5 -> C={C}: {int((~kept).sum())} of {W * N * k} assignments dropped, the "
+        _, route = moe_against_one_process(k, 0.5, rank, W, device)
+        C, dropped = route["C"], route["dropped"]
+        assert 0 < dropped < W * N * k, "the capacity factor should drop some assignments, not all"
+        assert dropped >= W * (N * k - E * C)                               # pigeonhole: E*C slots for N*k
+        log(f"k={k}, capacity factor 0.5 -> C={C}: {dropped} of {W * N * k} assignments dropped, the "
             f"reference's; the rest still equal, both paths")
 
-    head("bytes each rank hands the all-to-alls in one forward (k=2, no drops)")
-    ragged, padded = stats[False], stats[True]
-    home = idx // L                                                         # rank holding each chosen expert
-    k_out, k_in = int(keep[rank * N:(rank + 1) * N].sum()), int((keep & (home == rank)).sum())
-    C = max(int(torch.bincount(idx[r * N:(r + 1) * N].flatten(), minlength=E).max()) for r in range(W))
-    b_rag, b_pad = ragged["meta_bytes"] + ragged["token_bytes"], padded["meta_bytes"] + padded["token_bytes"]
-    assert padded["capacity"] == C and b_pad == 8 * E + 8 + 2 * E * C * H * 8
-    assert b_rag == 8 * E + (k_out + k_in) * H * 8, "ragged must move exactly the routed rows and the counts"
-    assert b_rag <= b_pad
-    log_all(f"padded {b_pad:5d} B (C={C}: {E * C} rows each way) | ragged {b_rag:5d} B "
-            f"({k_out} rows dispatched, {k_in} returned) = {b_rag / b_pad:.0%}")
+    head("bytes each rank hands the collectives in one forward, counted by CommDebugMode")
+    log("in every run above: padded == 8E + 2*E*C*h*b (+8 for MAX), ragged == 8E + (K_out+K_in)*h*b <= padded; "
+        "backward == the same rows")
+    handed, route = runs[2]
+    pad, rag, C = handed["padded"], handed["ragged"], route["C"]
+    log_all(f"k=2: padded {pad:5d} B (C={C}: {E * C} rows each way) | ragged {rag:5d} B "
+            f"({route['k_out']} rows dispatched, {route['k_in']} returned) = {rag / pad:.0%}")
     finish("all-to-all transposes, its backward swaps the splits; the expert-parallel MoE equals one process "
            "(k=1,2, padded and ragged, with drops); ragged moves only the routed rows")
 
