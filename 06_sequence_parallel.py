@@ -8,22 +8,18 @@ Megatron SP (Korthikanti et al., 2022). Tensor parallelism runs LayerNorm, dropo
          R0 [s0]  --all-gather-->  R0 [s0 s1 s2 s3] ... R0 [s0 s1 s2 s3] partial  --reduce-scatter-->  R0 [s0]
          R1 [s1]                   R1 [s0 s1 s2 s3] ... R1 [s0 s1 s2 s3] partial                      R1 [s1]
 
-    gather_from_sequence_parallel_region        forward all-gather        backward reduce-scatter
-    reduce_scatter_to_sequence_parallel_region  forward reduce-scatter    backward all-gather
-    scatter_to_sequence_parallel_region         forward split (no comm)   backward all-gather
-
 Bytes each rank sends, V = s*b*h*bytes: all-gather (tp-1)/tp*V + reduce-scatter (tp-1)/tp*V = 2(tp-1)/tp*V, TP's
 ring all-reduce exactly. SP buys activation memory: LayerNorm's input and output are kept at 1/tp (fc1 keeps its
-[s/tp, b, h] input and all-gathers it again in backward: Megatron's trade of one all-gather for memory). The
-price: LN's weight and bias and fc2's bias see a different slice of the sequence on each rank, so their gradients
-need one all-reduce over the TP group (NVIDIA/Megatron-LM#443).
+[s/tp, b, h] input and all-gathers it again in backward, one more (tp-1)/tp*V, for that memory). The price: LN's
+weight and bias and fc2's bias see a different slice of the sequence on each rank, so their gradients need one
+all-reduce over the TP group (NVIDIA/Megatron-LM#443).
 
 Overlap. fc1's backward starts the reduce-scatter of its input gradient with async_op=True and computes the weight
-gradient while it travels, into an fp32 `main_grad` (Megatron's gradient-accumulation fusion). On GPUs Megatron
-sets CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware queue the GPU starts kernels in launch order, so the NCCL
-kernel is running before the weight-gradient GEMM takes the SMs (with several queues the GEMM may start first and
-the communication wait behind it). gloo has no streams: the collective runs on gloo's own CPU threads over TCP and
-overlaps with the matmul only when a core is free for those threads.
+gradient into an fp32 `main_grad` while it travels (Megatron's gradient-accumulation fusion). On GPUs Megatron sets
+CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware queue kernels start in launch order, so the NCCL kernel is running
+before the weight-gradient GEMM takes the SMs (with several queues the GEMM may start first and the communication
+wait behind it). gloo has no streams: its collectives run on gloo's own CPU threads over TCP and overlap the matmul
+only when a core is free for those threads.
 
 Ulysses (Jacobs et al., 2023). q, k, v arrive as [b, s/P, h, d]; an all-to-all each makes them [b, s, h/P, d],
 attention runs over the whole sequence on h/P heads, and one more all-to-all brings the output back:
@@ -31,8 +27,8 @@ attention runs over the whole sequence on h/P heads, and one more all-to-all bri
     R0 [s0 | h0 h1 h2 h3]  --all_to_all_4d(x, scatter_dim=2, gather_dim=1)-->  R0 [s0 s1 s2 s3 | h0]
     R1 [s1 | h0 h1 h2 h3]  <--all_to_all_4d(x, scatter_dim=1, gather_dim=2)--  R1 [s0 s1 s2 s3 | h1]
 
-Each all-to-all sends (P-1)/P of a rank's [b, s/P, h*d] slice: q, k, v and out send 4(P-1)/P^2 * V, against
-2(P-1)/P * V for Megatron SP on the same layer. Ulysses' bytes per rank shrink as P grows; h caps its P.
+Each all-to-all sends (P-1)/P of a rank's [b, s/P, h*d] slice: in forward q, k, v and out send 4(P-1)/P^2 * V,
+against 2(P-1)/P * V for Megatron SP's all-gather in and reduce-scatter out of the same layer: 2/P of it. h caps P.
 
     torchrun --nproc-per-node=4 06_sequence_parallel.py
 """
@@ -45,6 +41,11 @@ import torch.nn.functional as F
 def _check_divisible(n: int, what: str, group):
     if n % dist.get_world_size(group):
         raise ValueError(f"{what}={n} is not divisible by the group size {dist.get_world_size(group)}")
+
+
+def _split_along_first_dim(x, group):
+    _check_divisible(x.size(0), "sequence length", group)
+    return x.chunk(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
 
 
 def _gather_along_first_dim(x, group, async_op=False):
@@ -66,73 +67,42 @@ def _reduce(x, group):
     return out
 
 
-# ---- building blocks: a forward op paired with its backward op (group=None: the world) ------------------
-class _CopyToModelParallelRegion(torch.autograd.Function):
+# ---- building blocks: regions, each a forward op paired with its backward op (group=None: the world) ----
+class _Region(torch.autograd.Function):
+    """forward: fwd(x, group); backward: bwd(grad, group), the transpose of fwd. Each region names its pair."""
+    @staticmethod
+    def forward(ctx, x, fwd, bwd, group):
+        ctx.bwd, ctx.group = bwd, group
+        return fwd(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.bwd(grad, ctx.group), None, None, None
+
+
+def copy_to_tensor_model_parallel_region(x, group=None):
     """forward: identity; backward: all-reduce (TP's `f`)."""
-    @staticmethod
-    def forward(ctx, x, group=None):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce(grad, ctx.group), None
+    return _Region.apply(x, lambda t, g: t, _reduce, group)
 
 
-class _ReduceFromModelParallelRegion(torch.autograd.Function):
+def reduce_from_tensor_model_parallel_region(x, group=None):
     """forward: all-reduce; backward: identity (TP's `g`)."""
-    @staticmethod
-    def forward(ctx, x, group=None):
-        return _reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    return _Region.apply(x, _reduce, lambda t, g: t, group)
 
 
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """forward: keep this rank's slice of the sequence (no comm); backward: all-gather. The input is replicated."""
-    @staticmethod
-    def forward(ctx, x, group=None):
-        ctx.group = group
-        _check_divisible(x.size(0), "sequence length", group)
-        return x.chunk(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_along_first_dim(grad, ctx.group), None
+def scatter_to_sequence_parallel_region(x, group=None):
+    """forward: keep this rank's slice of the sequence (dim 0, no comm); backward: all-gather. x is replicated."""
+    return _Region.apply(x, _split_along_first_dim, _gather_along_first_dim, group)
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+def gather_from_sequence_parallel_region(x, group=None):
     """forward: all-gather along the sequence (dim 0); backward: reduce-scatter."""
-    @staticmethod
-    def forward(ctx, x, group=None):
-        ctx.group = group
-        return _gather_along_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_along_first_dim(grad, ctx.group), None
+    return _Region.apply(x, _gather_along_first_dim, _reduce_scatter_along_first_dim, group)
 
 
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+def reduce_scatter_to_sequence_parallel_region(x, group=None):
     """forward: reduce-scatter along the sequence (dim 0); backward: all-gather."""
-    @staticmethod
-    def forward(ctx, x, group=None):
-        ctx.group = group
-        return _reduce_scatter_along_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_along_first_dim(grad, ctx.group), None
-
-
-# Megatron's public names: f(x, group=None)
-copy_to_tensor_model_parallel_region = _CopyToModelParallelRegion.apply
-reduce_from_tensor_model_parallel_region = _ReduceFromModelParallelRegion.apply
-scatter_to_sequence_parallel_region = _ScatterToSequenceParallelRegion.apply
-gather_from_sequence_parallel_region = _GatherFromSequenceParallelRegion.apply
-reduce_scatter_to_sequence_parallel_region = _ReduceScatterToSequenceParallelRegion.apply
+    return _Region.apply(x, _reduce_scatter_along_first_dim, _gather_along_first_dim, group)
 
 
 class LinearWithSequenceParallel(torch.autograd.Function):
@@ -145,8 +115,7 @@ class LinearWithSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias=None, group=None):
         if not hasattr(weight, "main_grad"):
-            weight.main_grad = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
-                                           device=weight.device)
+            weight.main_grad = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
         # main_grad rides on ctx: a saved tensor can come back as another Python object (saved-tensor hooks)
         ctx.group, ctx.main_grad, ctx.has_bias = group, weight.main_grad, bias is not None
         ctx.save_for_backward(x, weight)
@@ -183,7 +152,9 @@ def mlp_block(x, p, sequence_parallel: bool, group=None):
 def allreduce_sequence_parallel_grads(params, group=None):
     """Sum in one all-reduce the grads of parameters marked `sequence_parallel` (LN weight and bias, fc2's bias):
     under SP each rank applied them to its own slice of the sequence (NVIDIA/Megatron-LM#443)."""
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
     flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat, group=group)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
@@ -197,25 +168,15 @@ def _all_to_all(x, scatter_dim, gather_dim, group):
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
-class _AllToAll4D(torch.autograd.Function):
-    """forward: all-to-all (split scatter_dim, concatenate gather_dim); backward: the swapped all-to-all."""
-    @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group):
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return _all_to_all(x, scatter_dim, gather_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.dims[1], ctx.dims[0], ctx.group), None, None, None
-
-
 def all_to_all_4d(x, scatter_dim: int, gather_dim: int, group=None):
-    """[b, s/P, h, d] -> [b, s, h/P, d] with (scatter_dim=2, gather_dim=1); (1, 2) goes back. Differentiable."""
+    """forward: all-to-all that splits scatter_dim and concatenates gather_dim; backward: the swapped all-to-all.
+    [b, s/P, h, d] -> [b, s, h/P, d] with (scatter_dim=2, gather_dim=1); (1, 2) goes back."""
     if x.dim() != 4 or scatter_dim == gather_dim or not {scatter_dim, gather_dim} <= {0, 1, 2, 3}:
         raise ValueError(f"all_to_all_4d takes a [b, s, h, d] tensor and two different dims in 0..3, got shape "
                          f"{tuple(x.shape)}, scatter_dim={scatter_dim}, gather_dim={gather_dim}")
     _check_divisible(x.size(scatter_dim), ("batch", "sequence", "heads", "head_dim")[scatter_dim], group)
-    return _AllToAll4D.apply(x, scatter_dim, gather_dim, group)
+    return _Region.apply(x, lambda t, g: _all_to_all(t, scatter_dim, gather_dim, g),
+                         lambda t, g: _all_to_all(t, gather_dim, scatter_dim, g), group)
 
 
 def ulysses_attention(q, k, v, is_causal: bool = False, group=None):
@@ -231,24 +192,22 @@ from common import finish, head, launched_world_size, log, refuse, setup, time_o
 
 
 class CommCounter(CommDebugMode):
-    """CommDebugMode counts collectives; this also adds up the bytes this rank sends (ring algorithms)."""
-    OPS = {"allreduce_": ("all-reduce", 1, lambda a, n: 2 * (n - 1) * a[0][0].nbytes // n),  # 2(n-1)/n of V
-           "_allgather_base_": ("all-gather", 2, lambda a, n: (n - 1) * a[1].nbytes),       # n-1 input shards
-           "_reduce_scatter_base_": ("reduce-scatter", 2, lambda a, n: (n - 1) * a[0].nbytes),  # n-1 out shards
-           "alltoall_base_": ("all-to-all", 2, lambda a, n: (n - 1) * a[1].nbytes // n)}   # all but 1/n of input
-
-    def __enter__(self):
-        self.sent = 0
-        return super().__enter__()
+    """CommDebugMode counts collectives; this also sums the bytes this rank sends under ring algorithms, read off
+    the tensors each c10d op is handed, with n = the world size (the demo uses no sub-group)."""
+    # op: (name, bytes sent); a = the op's args: allreduce_ takes [tensor] first, the others (out, in) first
+    SENDS = {torch.ops.c10d.allreduce_: ("all-reduce", lambda a, n: 2 * (n - 1) * a[0][0].nbytes // n),
+             torch.ops.c10d._allgather_base_: ("all-gather", lambda a, n: (n - 1) * a[1].nbytes),
+             torch.ops.c10d._reduce_scatter_base_: ("reduce-scatter", lambda a, n: (n - 1) * a[0].nbytes),
+             torch.ops.c10d.alltoall_base_: ("all-to-all", lambda a, n: (n - 1) * a[1].nbytes // n)}
+    sent = 0                   # bytes; `self.sent += ...` gives each counter its own
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._overloadpacket.__name__ in self.OPS:     # args: tensors, then the process group at `where`
-            _, where, sends = self.OPS[func._overloadpacket.__name__]
-            self.sent += sends(args, dist.ProcessGroup.unbox(args[where]).size())
+        if getattr(func, "overloadpacket", None) in self.SENDS:
+            self.sent += self.SENDS[func.overloadpacket][1](args, dist.get_world_size())
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def counts(self):
-        return {self.OPS[op.__name__][0]: n for op, n in self.get_comm_counts().items()}
+        return {self.SENDS[op][0]: n for op, n in self.get_comm_counts().items()}
 
 
 def kept_for_backward(fn, params):
@@ -269,15 +228,21 @@ def ints(shape, seed, device):
     return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(seed)).double().to(device)
 
 
-def summed(scalar):
-    """A scalar summed over the ranks."""
-    scalar = scalar.clone()
-    dist.all_reduce(scalar)
-    return scalar
+def adjoint_checked(op, x, replicated=False):
+    """op(x), after asserting sum over ranks <op(x), y> == sum over ranks <x, op's backward(y)> exactly, for a
+    y different on every rank. A replicated x is one tensor held by every rank: its side counts once (rank 0's)."""
+    x = x.clone().requires_grad_()
+    out = op(x)
+    y = ints(out.shape, 1000 + dist.get_rank(), x.device)
+    (g,) = torch.autograd.grad(out, x, y)
+    sides = torch.stack([(out * y).sum(), (x * g).sum() * (dist.get_rank() == 0 or not replicated)]).detach()
+    dist.all_reduce(sides)
+    assert sides[0] == sides[1], f"adjoint test: {sides.tolist()}"
+    return out.detach()
 
 
-S, B, H, FFN = 16, 2, 8, 32    # the MLP block's [s, b, h] and fc1's width
-NH, D = 8, 4                   # Ulysses: 8 heads of 4 over the same [b, s]
+S, B, NH, D = 16, 2, 8, 4      # [s, b] and Ulysses' 8 heads of 4
+H, FFN = NH * D, 64            # the MLP block's width (the attention layer's, so their bytes compare) and fc1's
 
 
 def main():
@@ -289,28 +254,18 @@ def main():
 
     head("the sequence-parallel regions: values and adjoints, on rank-dependent inputs")
     x = ints((2, 3), rank, device)                                         # rank r holds its own [2, 3]
-    every = torch.cat([ints((2, 3), q, device) for q in range(P)])         # [2P, 3]: every rank's, in order
-    assert torch.equal(gather_from_sequence_parallel_region(x), every)
-    partial = ints((2 * P, 3), 10 + rank, device)                          # rank r: its partial sums of [2P, 3]
-    total = sum(ints((2 * P, 3), 10 + q, device) for q in range(P))
-    assert torch.equal(reduce_scatter_to_sequence_parallel_region(partial), total.chunk(P)[rank])
-    rep = ints((2 * P, 3), 99, device)                                     # replicated: the same on every rank
-    assert torch.equal(scatter_to_sequence_parallel_region(rep), rep.chunk(P)[rank])
-    for fn, inp in ((gather_from_sequence_parallel_region, x), (reduce_scatter_to_sequence_parallel_region, partial),
-                    (scatter_to_sequence_parallel_region, rep)):
-        xg = inp.clone().requires_grad_()
-        out = fn(xg)
-        y = ints(out.shape, 20 + rank, device)
-        (g,) = torch.autograd.grad(out, xg, y)
-        x_dot_g = (xg * g).sum() if inp is rep else summed((xg * g).sum())   # a replicated tensor counts once
-        assert torch.equal(summed((out * y).sum()), x_dot_g), fn.__self__.__name__
+    every = torch.cat([ints((2, 3), q, device) for q in range(P)])         # [2P, 3]: every rank's x in order, on all
+    assert torch.equal(adjoint_checked(gather_from_sequence_parallel_region, x), every)
+    partial, total = (rank + 1) * every, P * (P + 1) // 2 * every          # rank r's partial sums; their sum
+    assert torch.equal(adjoint_checked(reduce_scatter_to_sequence_parallel_region, partial), total.chunk(P)[rank])
+    assert torch.equal(adjoint_checked(scatter_to_sequence_parallel_region, every, True), every.chunk(P)[rank])
     log("gather = all-gather, reduce_scatter = sum then slice, scatter = slice: exact values on every rank")
     log("adjoint: sum over ranks <op(x), y> == <x, op_backward(y)> for all three (scatter's replicated x once)")
 
     head(f"an MLP block on [s, b, h] = [{S}, {B}, {H}], ffn {FFN}: dense == TP == SP, forward and backward")
-    dense = {"ln_w": 1 + 0.1 * torch.randn(H), "ln_b": 0.1 * torch.randn(H), "w1": torch.randn(FFN, H) / H ** .5,
-             "b1": 0.1 * torch.randn(FFN), "w2": torch.randn(H, FFN) / FFN ** .5, "b2": 0.1 * torch.randn(H)}
-    dense = {k: v.to(**f64).requires_grad_() for k, v in dense.items()}
+    dense = {k: v.to(**f64).requires_grad_() for k, v in {                 # the whole block's parameters
+        "ln_w": 1 + 0.1 * torch.randn(H), "ln_b": 0.1 * torch.randn(H), "w1": torch.randn(FFN, H) / H ** .5,
+        "b1": 0.1 * torch.randn(FFN), "w2": torch.randn(H, FFN) / FFN ** .5, "b2": 0.1 * torch.randn(H)}.items()}
     x, dy = torch.randn(S, B, H, **f64), torch.randn(S, B, H, **f64)      # input, upstream gradient
     x_ref = x.clone().requires_grad_()
     ref = x_ref + F.linear(F.gelu(F.linear(F.layer_norm(x_ref, (H,), dense["ln_w"], dense["ln_b"]),
@@ -358,44 +313,35 @@ def main():
     log(f"forward:  TP 1 all-reduce, SP all-gather + reduce-scatter: each sends 2(tp-1)/tp*V = {ring} B, V = {V} B")
     log(f"backward: TP {ring} B; SP {sp['bwd'].sent} B = the same + (tp-1)/tp*V, fc1 gathering its input again")
     ln = (2 * S * B * H + 2 * S * B) * e             # LN's input and output (fc1's input), LN's mean and rstd
-    assert (tp["kept"] - sp["kept"]) * P == (P - 1) * ln
+    act = 2 * S * B * (FFN // P) * e                 # fc1's output (GeLU's input) and GeLU's output, [s, b, f/tp]
+    assert tp["kept"] == ln + act and sp["kept"] == ln // P + act
     log(f"kept for backward: TP {tp['kept']} B, SP {sp['kept']} B: LN in/out/stats {ln} B -> {ln // P} B (1/tp)")
 
     head("overlap: grad_x's reduce-scatter travels while dW accumulates into main_grad")
-    g_out = torch.randn(S, B, FFN, **f64)[..., rows]
-    plain = [t.detach()[rows].clone().requires_grad_() for t in (dense["w1"], dense["b1"])]
-    fused = [t.detach().clone().requires_grad_() for t in plain]
-    xs_plain, xs_fused = (x.chunk(P)[rank].clone().requires_grad_() for _ in range(2))
-    (F.linear(gather_from_sequence_parallel_region(xs_plain), *plain) * g_out).sum().backward()   # synchronous
+    g_out = torch.randn(S, B, FFN, **f64)[..., rows]                      # fc1's output gradient, [s, b, f/tp]
+    plain = [t.detach().clone().requires_grad_() for t in (x.chunk(P)[rank], dense["w1"][rows], dense["b1"][rows])]
+    fused = [t.detach().clone().requires_grad_() for t in plain]          # x slice, fc1's rows of W and b
+    (F.linear(gather_from_sequence_parallel_region(plain[0]), *plain[1:]) * g_out).sum().backward()  # synchronous
     for _ in range(2):                                                                          # two micro-batches
-        (LinearWithSequenceParallel.apply(xs_fused, *fused) * g_out).sum().backward()
-    torch.testing.assert_close(xs_fused.grad, 2 * xs_plain.grad)
-    torch.testing.assert_close(fused[0].main_grad, 2 * plain[0].grad)
-    torch.testing.assert_close(fused[1].grad, 2 * plain[1].grad)
-    assert fused[0].grad is None
-    w_bf16 = plain[0].detach().bfloat16().requires_grad_()                 # bf16 weights: main_grad is fp32
-    LinearWithSequenceParallel.apply(xs_plain.detach().bfloat16(), w_bf16).sum().backward()
-    assert w_bf16.main_grad.dtype == torch.float32 and w_bf16.grad is None
-    log("async reduce-scatter + dW into main_grad == gather region + autograd, summed over 2 micro-batches")
-    log("bf16 weights accumulate into an fp32 main_grad (f64 ones into f64)")
-    s_t, h_t, f_t = 128, 128, 512                   # timing sizes: grad_x [s, 4, h] fp32, dW [f/tp, h]
-    grad_x, sub = torch.randn(s_t, 4, h_t, device=device), torch.empty(s_t // P, 4, h_t, device=device)
-    g2, t2 = torch.randn(s_t * 4, f_t // P, device=device), torch.randn(s_t * 4, h_t, device=device)
-    main_grad = torch.zeros(f_t // P, h_t, device=device)
-    t = time_overlap(lambda: dist.reduce_scatter_single(sub, grad_x, op=dist.ReduceOp.SUM, async_op=True),
-                     lambda: main_grad.addmm_(g2.t(), t2), device, iters=3)
+        (LinearWithSequenceParallel.apply(*fused) * g_out).sum().backward()
+    for got, want in zip((fused[0].grad, fused[1].main_grad, fused[2].grad), (t.grad for t in plain)):
+        torch.testing.assert_close(got, 2 * want)
+    w_bf16 = plain[1].detach().bfloat16().requires_grad_()                 # bf16 weights: main_grad is fp32
+    LinearWithSequenceParallel.apply(plain[0].detach().bfloat16(), w_bf16).sum().backward()
+    assert fused[1].grad is None and w_bf16.grad is None and w_bf16.main_grad.dtype == torch.float32
+    log("async reduce-scatter, dW into main_grad == gather region + autograd, 2 micro-batches; bf16 W: fp32 main_grad")
+    grad_x = torch.randn(64, 4, 64, device=device)                        # timing: grad_x [s, b, h] fp32
+    g2, t2, dw = (torch.randn(*shape, device=device) for shape in ((256, 256 // P), (256, 64), (256 // P, 64)))
+    t = time_overlap(lambda: _reduce_scatter_along_first_dim(grad_x, None, async_op=True)[1],
+                     lambda: dw.addmm_(g2.t(), t2), device, iters=2)    # dW [f/tp, h] += grad.T @ total
     log(f"reduce-scatter {t['comm'] * 1e3:.2f} ms + dW {t['compute'] * 1e3:.2f} ms one after the other, "
         f"{t['overlapped'] * 1e3:.2f} ms overlapped (printed, not asserted)")
 
     head(f"Ulysses: all_to_all_4d on q [b, s/P, h, d] = [{B}, {S // P}, {NH}, {D}]")
     q = ints((B, S // P, NH, D), 30 + rank, device)                      # rank r: sequence slice r, all heads
-    full = torch.cat([ints((B, S // P, NH, D), 30 + j, device) for j in range(P)], dim=1)
-    qg = q.clone().requires_grad_()
-    out = all_to_all_4d(qg, 2, 1)
+    full = torch.cat([ints((B, S // P, NH, D), 30 + j, device) for j in range(P)], dim=1)   # [b, s, h, d]
+    out = adjoint_checked(lambda t: all_to_all_4d(t, 2, 1), q)
     assert torch.equal(out, full.chunk(P, dim=2)[rank]) and torch.equal(all_to_all_4d(out, 1, 2), q)
-    y = ints(out.shape, 40 + rank, device)
-    (g,) = torch.autograd.grad(out, qg, y)
-    assert torch.equal(summed((out * y).sum()), summed((qg * g).sum()))
     log(f"{list(q.shape)} -> [b, s, h/P, d] {list(out.shape)}: the whole sequence, heads slice r; and back")
     log("adjoint: sum over ranks <a2a(x), y> == <x, swapped a2a(y)>, exact")
     for bad, dims in (((B, 2, P + 1, D), (2, 1)), ((B, S // P + 1, NH // P, D), (1, 2))) if P > 1 else ():
@@ -412,27 +358,16 @@ def main():
     for causal in (False, True):
         ref_in = [t.clone().requires_grad_() for t in qkv]
         ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref_in), is_causal=causal).transpose(1, 2)
-        (ref * dout).sum().backward()
         my_in = [mine(t).clone().requires_grad_() for t in qkv]
-        out = ulysses_attention(*my_in, is_causal=causal)
-        (out * mine(dout)).sum().backward()
+        with CommCounter() as uly:
+            out = ulysses_attention(*my_in, is_causal=causal)
         torch.testing.assert_close(out, mine(ref))
-        for a, b in zip(my_in, ref_in):
-            torch.testing.assert_close(a.grad, mine(b.grad))
+        for a, b in zip(torch.autograd.grad(out, my_in, mine(dout)), torch.autograd.grad(ref, ref_in, dout)):
+            torch.testing.assert_close(a, mine(b))                       # dq, dk, dv
     log(f"causal and not: output, dq, dk, dv equal full attention; each rank ran {NH // P} of {NH} heads")
-
-    head("bytes each rank sends for one attention layer: Ulysses vs Megatron SP")
-    V = B * S * NH * D * e
-    with CommCounter() as uly:
-        ulysses_attention(*(mine(t) for t in qkv))
-    with CommCounter() as meg:                       # SP's edges of the same layer: gather in, reduce-scatter out
-        reduce_scatter_to_sequence_parallel_region(gather_from_sequence_parallel_region(torch.zeros(
-            S // P, B, NH * D, **f64)))
-    assert uly.counts() == {"all-to-all": 4} and uly.sent == 4 * (P - 1) * V // P ** 2
-    assert meg.counts() == {"all-gather": 1, "reduce-scatter": 1} and meg.sent == 2 * (P - 1) * V // P
-    assert uly.sent * P == 2 * meg.sent
-    log(f"Ulysses, 4 all-to-alls: 4(P-1)/P^2*V = {uly.sent} B; Megatron SP, AG + RS: 2(P-1)/P*V = {meg.sent} B")
-    log(f"(V = b*s*h*d*bytes = {V} B, P = {P}): Ulysses sends 2/P of Megatron SP's bytes")
+    assert uly.counts() == {"all-to-all": 4} and uly.sent == 4 * (P - 1) * V // P ** 2 and uly.sent * P == 2 * ring
+    log(f"forward bytes per rank, V = b*s*h*d*bytes = {V} B: Ulysses' 4 all-to-alls send 4(P-1)/P^2*V = {uly.sent} B")
+    log(f"Megatron SP's all-gather in + reduce-scatter out (the MLP block's) send 2(P-1)/P*V = {ring} B: Ulysses 2/P")
 
     finish("SP regions and adjoints, MLP block SP == TP == dense with LN grads all-reduced, SP traffic and "
            "memory, async reduce-scatter overlap, Ulysses all-to-all and attention")

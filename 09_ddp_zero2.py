@@ -18,14 +18,16 @@ pre-hook waits for this bucket's gather and starts the next (prefetch), so gathe
   communicate    all-reduce: every rank has sum_r g_r     reduce-scatter: rank r has sum_r g_r on its 3
   AdamW          every rank: master, m, v for all 6       rank r: master, m, v for its 3; updates those 3
   after step     every rank: all 6 parameters             all-gather: every rank has all 6 parameters
-  held per rank  grad + master + m + v: 4 x 6             4 x 3 = 1/W of DDP's
+  held per rank  grad + master + m + v: 4 x 6             4 x 3 = 1/W of DDP's (plus, during backward, the
+                                                          full-size gradient of two buckets at most)
 
 Bytes each rank sends per step (ring algorithms; V = bytes of the padded gradient buffer):
   DDP      all-reduce                      2(W-1)/W * V
   ZeRO-2   reduce-scatter + all-gather     (W-1)/W * V + (W-1)/W * V = 2(W-1)/W * V, the same
-  With M micro-batches of gradient accumulation DDP still sends 2(W-1)/W * V: it communicates on the last one
-  only. ZeRO-2 keeps no full gradient between micro-batches, so it reduce-scatters each: (M+1)(W-1)/W * V.
-  (With bf16 parameters and fp32 gradients the gather moves half the bytes of the reduce-scatter.)
+With M micro-batches of gradient accumulation the two differ. DDP adds every micro-batch into its full gradient
+buffer and all-reduces on the last micro-batch only: still 2(W-1)/W * V. ZeRO-2 keeps only its 1/W shard of the
+gradient, so it reduce-scatters after every micro-batch, as DeepSpeed stage 2 does: (M+1)(W-1)/W * V.
+(With bf16 parameters and fp32 gradients the gather moves half the bytes of the reduce-scatter.)
 
     torchrun --nproc-per-node=4 09_ddp_zero2.py
 """
@@ -91,7 +93,8 @@ class DataParallel:
         out = model(x)                   ZeRO-2: each module first waits for its bucket's gather, prefetches the next
         model.backward(loss, sync=last)  hooks start each bucket's all-reduce / reduce-scatter as soon as it fills;
                                          DDP with sync=False (not the last micro-batch) only accumulates main_grad;
-                                         ZeRO-2 reduces every micro-batch and keeps only its shard of the sum
+                                         ZeRO-2 reduce-scatters every micro-batch, keeps only its shard of
+                                         the sum, and frees each full-size bucket once the next one starts
         model.step()                     waits for the buckets, AdamW on what this rank owns; ZeRO-2 then starts
                                          gathering the updated parameters
     overlap=False starts the collectives only after backward and gathers every parameter inside step(): the same
@@ -123,8 +126,6 @@ class DataParallel:
                                    exp_avg_sq=torch.zeros_like(master)))
             if zero2:
                 b.grad_shard = torch.zeros_like(master)
-            else:
-                b.new_grad()
             for p in b.params:
                 p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, b))
         if zero2:
@@ -146,8 +147,8 @@ class DataParallel:
 
     # -- gradients: hooks fill the buckets, a full bucket starts communicating --------------------------------
     def _grad_ready(self, b, p):
-        if b.grad is None:
-            b.new_grad()              # ZeRO-2: the full-size buffer lives from here until its reduce-scatter ends
+        if b.grad is None:  # DDP keeps it from the first backward on; ZeRO-2 frees it after each reduce-scatter
+            b.new_grad()
         p.main_grad.add_(p.grad)      # accumulate in fp32, across micro-batches too
         p.grad = None                 # autograd's copy is spent
         self.events.append(self.names[p])
@@ -165,6 +166,16 @@ class DataParallel:
         else:
             b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
         self._record("RS" if self.zero2 else "AR", b, b.grad)
+        if self.zero2 and b.index > 0:  # finish the previous bucket: two full-size gradient buckets live at most
+            self._keep_shard(self.buckets[b.index - 1])
+
+    def _keep_shard(self, b):
+        """ZeRO-2: wait for b's reduce-scatter, add this rank's shard of the sum, free the full-size gradient."""
+        b.work.wait()
+        b.grad_shard += b.out
+        b.grad = b.work = b.out = None
+        for p in b.params:
+            p.main_grad = None
 
     def backward(self, loss, sync=True):
         """loss.backward() while the buckets communicate; sync=False: DDP only accumulates (not last micro-batch)."""
@@ -181,12 +192,7 @@ class DataParallel:
             self._start_grad_sync(b)
         self.next = len(self.buckets)
         if self.zero2:
-            for b in self.buckets:  # keep the reduced shard; free the full-size gradient and its main_grad views
-                b.work.wait()
-                b.grad_shard += b.out
-                b.grad = b.work = b.out = None
-                for p in b.params:
-                    p.main_grad = None
+            self._keep_shard(self.buckets[-1])
 
     # -- the optimizer step on what this rank owns ---------------------------------------------------------------
     def step(self):
@@ -194,6 +200,7 @@ class DataParallel:
         for b, st in zip(self.buckets, self.state):
             if not self.zero2:
                 b.work.wait()  # the step waits for every bucket's all-reduce
+                b.work = None
             grad = b.grad_shard if self.zero2 else b.grad
             grad.div_(self.world)  # sum over ranks -> mean over the global batch
             adamw_(st["master"], grad, st["exp_avg"], st["exp_avg_sq"], self.steps, **self.hyper)
@@ -258,14 +265,6 @@ def forward_backward(model, x, y, micro, phase=contextlib.nullcontext):
             model.backward(F.mse_loss(model(xm), ym) / micro, sync=i == micro - 1)
 
 
-def reduced_grads(model):
-    """After backward: the gradient averaged over ranks, per bucket, that this rank holds (ZeRO-2: its shard)."""
-    for b in model.buckets:
-        if b.work is not None:
-            b.work.wait()
-    return [(b.grad_shard if model.zero2 else b.grad) / model.world for b in model.buckets]
-
-
 def held_bytes(model):
     """Bytes of the distinct storages `model` holds for gradients, and for optimizer state."""
     grads = [t for b in model.buckets for p in b.params
@@ -305,11 +304,18 @@ def main():
     ops = {"AR": torch.ops.c10d.allreduce_, "RS": torch.ops.c10d._reduce_scatter_base_,
            "AG": torch.ops.c10d._allgather_base_}
     sent, counts = {}, collections.Counter()  # bytes this rank sent in one step; collectives CommDebugMode saw
+    # DDP's backward, bucket by bucket: the bucket's gradients arrive in backward order, then its all-reduce starts
+    ddp_order = [e for b in ddp.buckets for e in [ddp.names[p] for p in b.params] + [f">AR{b.index}"]]
+    live = []  # ZeRO-2: elements of full-size gradient buckets alive, after each gradient it takes in
+    for p in zero.module.parameters():  # registered after the wrapper's hooks, so these run after them
+        p.register_post_accumulate_grad_hook(
+            lambda _: live.append(sum(b.numel for b in zero.buckets if b.grad is not None)))
 
     @contextlib.contextmanager
-    def counted():  # one CommDebugMode per phase: a second forward inside one trips its module tracker
+    def counted():
+        # one CommDebugMode per phase: on torch 2.13 its module tracker raises IndexError on a second forward
+        # inside one; and torch warns about its backward hooks on modules whose inputs need no grad (layer 0)
         with warnings.catch_warnings(), CommDebugMode() as comm:
-            # CommDebugMode hooks every module's backward; torch warns about that when inputs need no grad
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             yield
         counts.update(comm.get_comm_counts())
@@ -320,19 +326,24 @@ def main():
         opt.zero_grad()  # the reference: one process, the union of every rank's rows, torch.optim.AdamW
         F.mse_loss(ref(torch.cat([x for x, _ in batches])), torch.cat([y for _, y in batches])).backward()
         opt.step()
-        # what one step must issue: collective -> (how many, payload in units of V)
+        # what one step must issue: collective -> (how many, W x bytes sent in units of (W-1) x V)
         for name, model, expect in (("DDP", ddp, {"AR": (nb, 2)}),
                                     ("ZeRO-2", zero, {"RS": (micro * nb, micro), "AG": (nb, 1)})):
             model.comm_log.clear(), model.events.clear(), counts.clear()
-            # CommDebugMode slows every op: it checks the 2-micro-batch step, the wrapper's log every step
+            # CommDebugMode costs ~10x per op: it checks the 2-micro-batch step, the wrapper's log every step
             phase = counted if micro == 2 else contextlib.nullcontext
             forward_backward(model, *batches[rank], micro, phase)
-            for b, got in zip(model.buckets, reduced_grads(model)):  # backward: == the one-process gradient
+            for b in model.buckets:  # the reduced gradient this rank holds (ZeRO-2: its shard) == one process's
+                if b.work is not None:
+                    b.work.wait()  # DDP's all-reduce, which step() would wait for
                 want = F.pad(torch.cat([ref.get_parameter(model.names[p]).grad.flatten() for p in b.params]),
                              (0, b.numel - b.used))  # zero in the padding
-                torch.testing.assert_close(got, want[b.shard] if model.zero2 else want, rtol=1e-12, atol=1e-14)
+                got, want = (b.grad_shard, want[b.shard]) if model.zero2 else (b.grad, want)
+                torch.testing.assert_close(got / W, want, rtol=1e-12, atol=1e-14)
             with phase():
                 model.step()
+            if model is ddp:  # the micro-batches before the last only add into main_grad: no all-reduce
+                assert model.events == [e for e in ddp_order if e in names] * (micro - 1) + ddp_order, model.events
             if step == 0:
                 continue  # ZeRO-2's first forward had no gather to wait for: count from the second step
             for op, (n, _) in expect.items():
@@ -340,7 +351,7 @@ def main():
             sent_times_w = sum(RING[op] * (W - 1) * nbytes for op, nbytes in model.comm_log)
             assert sent_times_w == sum(v for _, v in expect.values()) * (W - 1) * V, (name, sent_times_w, V)
             sent[name, micro] = sent_times_w / W
-    events = {"DDP": ddp.events[:], "ZeRO-2": zero.events[:]}  # the last step's, for section 4
+    zev = zero.events[:]  # the last step's, for section 4 (wait_params adds to them)
     zero.wait_params()
     for pname, p in ref.named_parameters():
         for name, model in (("DDP", ddp), ("ZeRO-2", zero)):
@@ -348,53 +359,53 @@ def main():
                                        msg=lambda m: f"{name} {pname}: {m}")
     log(f"gradients after every backward: DDP's all, ZeRO-2's shard == one process on all {W * ROWS} rows")
     log(f"parameters: DDP == ZeRO-2 == torch.optim.AdamW in one process (float64; rtol 1e-10, atol 1e-12)")
-    log(f"DDP    per step: {nb} all-reduces, 2(W-1)/W x V = {sent['DDP', 1]:.0f} B sent per rank (V = {V} B); "
-        f"2 micro-batches: {sent['DDP', 2]:.0f} B")
-    log(f"ZeRO-2 per step: {nb} reduce-scatters + {nb} all-gathers, {sent['ZeRO-2', 1]:.0f} B; 2 micro-batches "
-        f"reduce twice: 3(W-1)/W x V = {sent['ZeRO-2', 2]:.0f} B")
+    log(f"B sent per rank and step (V = {V} B): DDP, {nb} all-reduces: 2(W-1)/W x V = {sent['DDP', 1]:.0f}; "
+        f"ZeRO-2, {nb} RS + {nb} AG: {sent['ZeRO-2', 1]:.0f}")
+    log(f"2 micro-batches: DDP all-reduces on the last only: {sent['DDP', 2]:.0f}; ZeRO-2 reduce-scatters after "
+        f"each: 3(W-1)/W x V = {sent['ZeRO-2', 2]:.0f}")
 
     head("3. Memory per rank: gradient buffer + optimizer state (master weights, exp_avg, exp_avg_sq)")
     (dg, ds), (zg, zs) = held_bytes(ddp), held_bytes(zero)
     assert (dg, ds) == (V, 3 * V), "DDP: the whole padded gradient buffer, and 3 optimizer tensors of its size"
-    assert (zg * W, zs * W) == (dg, ds), "ZeRO-2: 1/W of each"
-    assert all(b.grad is None for b in zero.buckets), "ZeRO-2 frees the full-size gradients after the RS"
+    assert (zg * W, zs * W) == (dg, ds), "ZeRO-2: 1/W of each (the full-size gradients are freed after the RS)"
+    two = max(a.numel + b.numel for a, b in zip(zero.buckets, zero.buckets[1:]))
+    assert max(live) == two < V // 8, "during backward ZeRO-2 holds two full-size gradient buckets at most"
     log(f"DDP    holds {dg} B of gradients + {ds} B of optimizer state = {dg + ds} B")
     log(f"ZeRO-2 holds {zg} B of gradients + {zs} B of optimizer state = {zg + zs} B = 1/{W} of DDP's "
         f"({4 * P * 8 / W:.0f} B unpadded)")
+    log(f"and during backward the full-size gradient of two buckets at most: {8 * max(live)} of DDP's {V} B")
 
     head("4. Overlap: buckets communicate while backward (and, in ZeRO-2, forward) computes")
     log("4.bias: its gradient arrived; >AR0 >RS0 >AG0: bucket 0's collective starts; wait0: waits for it; "
         "fwd:2: module 2")
-    zev, at = events["ZeRO-2"], events["ZeRO-2"].index
-    split = min(i for i, e in enumerate(zev) if e in names)
-    log(f"DDP    backward:       {' '.join(events['DDP'])}")
+    at, split = zev.index, min(i for i, e in enumerate(zev) if e in names)
+    log(f"DDP    backward:       {' '.join(ddp.events)}")
     log(f"ZeRO-2 forward:        {' '.join(zev[:split])}")
     log(f"ZeRO-2 backward, step: {' '.join(zev[split:])}")
-    assert events["DDP"] == [e for b in ddp.buckets for e in [ddp.names[p] for p in b.params] + [f">AR{b.index}"]], \
-        "gradients arrive in bucket order, and each bucket starts the moment its last gradient arrives"
-    assert overlapped(events["DDP"], names) and overlapped(zev, names)
+    assert overlapped(ddp.events, names) and overlapped(zev, names)
     assert any(at(f">AG{b}") < at(f) < at(f"wait{b}") for b in range(nb) for f in zev if f.startswith("fwd:")
                if f">AG{b}" in zev and f"wait{b}" in zev), "a gather travels while a layer computes"
     log("asserted: buckets start in backward order, the first before backward ends; gathers travel during forward")
     times, final = {}, {}
     for name, overlap in (("DDP", True), ("DDP", False), ("ZeRO-2", True), ("ZeRO-2", False)):
-        model, ms = DataParallel(copy.deepcopy(base), BUCKET, name == "ZeRO-2", overlap, **HYPER), []
-        for step in range(3):  # a warm-up, then 2 timed steps
+        model = DataParallel(copy.deepcopy(base), BUCKET, name == "ZeRO-2", overlap, **HYPER)
+        for step in range(2):  # a warm-up step, then the timed one
             model.events.clear()
             sync(device), dist.barrier()
             t0 = time.perf_counter()
             forward_backward(model, *rank_batch(step, rank, device), 1)
             model.step()
             sync(device)
-            ms.append(1e3 * (time.perf_counter() - t0))
+        times[name, overlap] = 1e3 * (time.perf_counter() - t0)
         assert overlapped(model.events, names) == overlap
         model.wait_params()
-        times[name, overlap], final[name, overlap] = min(ms[1:]), list(model.module.parameters())
+        final[name, overlap] = list(model.module.parameters())
     assert all(torch.equal(p, q) for n in ("DDP", "ZeRO-2") for p, q in zip(final[n, True], final[n, False]))
-    log("ms per step, best of 2: " + ", ".join(f"{n} {times[n, True]:.1f} overlapped / {times[n, False]:.1f} not"
-                                                  for n in ("DDP", "ZeRO-2")))
+    log("ms for one step: " + ", ".join(f"{n} {times[n, True]:.1f} overlapped / {times[n, False]:.1f} not"
+                                        for n in ("DDP", "ZeRO-2")))
     log("(printed, not asserted: on a tiny model latency dominates); either way the parameters end bit-for-bit equal")
-    finish(f"DDP, ZeRO-2 == one-process AdamW; both send 2(W-1)/W x V; ZeRO-2 holds 1/{W} of grads + optimizer state")
+    finish(f"DDP == ZeRO-2 == one-process AdamW; each sends 2(W-1)/W x V a step (ZeRO-2 with M micro-batches: "
+           f"(M+1)(W-1)/W x V); ZeRO-2 holds 1/{W} of grads + optimizer state")
 
 
 if __name__ == "__main__":
