@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 LESSONS = sorted(Path(p).name for p in glob.glob(str(HERE / "[0-9][0-9]_*.py")))
 WORLD_SIZES = (1, 2, 4, 8)
 RUN_DEADLINE = 120  # seconds for one launch, all ranks together
-GRACE = 10          # seconds the other ranks get after one rank fails, before they are killed
+GRACE = 10          # seconds the other ranks get after the first one exits, before they are killed
 PASSED = re.compile(r"^\[R0\] all checks passed: .+")
 REFUSED = re.compile(r"^\[R(\d+)\] \S+ refuses to run: .+", re.M)
 WARNING = re.compile(r"warning|\bwarn\b", re.I)
@@ -92,12 +92,12 @@ def launch(script: str, world: int, extra_env=None, deadline: float = RUN_DEADLI
         procs.append(p)
         files.append((out, err))
     t0 = time.monotonic()
-    first_failure, timed_out = None, False
+    first_exit, timed_out = None, False
     while any(p.is_alive() for p in procs):
         now = time.monotonic()
-        if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
-            first_failure = now
-        if now - t0 > deadline or (first_failure is not None and now - first_failure > GRACE):
+        if first_exit is None and any(p.exitcode is not None for p in procs):
+            first_exit = now  # ranks leave together (after a barrier, or all refusing): a straggler is stuck
+        if now - t0 > deadline or (first_exit is not None and now - first_exit > GRACE):
             timed_out = now - t0 > deadline
             for p in procs:
                 p.kill()
