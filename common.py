@@ -1,17 +1,21 @@
-"""The only shared file: process-group set-up, logging, and async-overlap helpers.
+"""The only shared file: process-group set-up, logging, and async-overlap helpers (and, on torch < 2.13, the
+two renamed collectives: importing it adds `dist.all_gather_single` and `dist.reduce_scatter_single`).
 
 Every numbered lesson starts with `rank, world, device = setup()` and ends with `finish("what it proved")`.
 
     setup()        joins the group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...)
-                   backend: NCCL when this LOCAL_RANK has a CUDA device, else gloo; BACKEND=gloo|nccl overrides
-                   device:  cuda:LOCAL_RANK with NCCL, cpu with gloo (so `torchrun --nnodes=N` works unchanged)
+                   backend: NCCL when CUDA devices exist, else gloo; BACKEND=gloo|nccl overrides. NCCL wants
+                            one device per process: more processes on a node than devices are refused
+                   device:  cuda:LOCAL_RANK with NCCL, cpu with gloo. LOCAL_RANK, not RANK, picks the device,
+                            so the same file runs on every node of `torchrun --nnodes=N`
                    timeout: PG_TIMEOUT seconds (default 30), so a deadlock raises instead of hanging
                    seed:    the same on every rank, so every rank can build the same reference inputs
-    refuse(why)    one line on each rank, exit code 2: for world sizes or options a lesson cannot use
-    finish(what)   rank 0's last line, "[R0] all checks passed: ...", then barrier and destroy the group
+    refuse(why)    one line on each rank, process exit code 2 (torchrun itself then exits 1): for world
+                   sizes or options a lesson cannot use
+    finish(what)   rank 0's last line, "[R0] all checks passed: ...", then a barrier (and on NCCL, destroy)
     log / head     rank 0 speaks; log_all prints one line from every rank, in rank order
     overlap(...)   start a collective with async_op=True, compute while it travels, then wait
-    time_overlap   seconds for comm alone, compute alone and both overlapped (synchronises CUDA first)
+    time_overlap   this rank's seconds for comm alone, compute alone and both overlapped (syncs CUDA first)
 
 Started without torchrun, a lesson prints the torchrun command to use and exits with code 2.
 """
@@ -43,13 +47,16 @@ def refuse(why: str):
     """Print one line saying why this run cannot go on, on this rank, and exit with code 2."""
     rank = os.environ.get("RANK", "?")
     print(f"[R{rank}] {_script()} refuses to run: {why}", file=sys.stderr, flush=True)
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_backend() == "nccl":  # see teardown()
         dist.destroy_process_group()
     sys.exit(EXIT_REFUSED)
 
 
 def launched_world_size() -> int:
-    """WORLD_SIZE from torchrun's environment, readable before the group exists (to refuse early)."""
+    """WORLD_SIZE from torchrun's environment, readable before the group exists (to refuse early).
+
+    Started without torchrun, it prints the torchrun command to use and exits with code 2.
+    """
     missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
     if missing:
         print(f"{_script()} is a distributed lesson: start it with torchrun, e.g.\n"
@@ -63,13 +70,15 @@ def setup(seed: int = 0):
     """Join the process group; return (rank, world_size, device)."""
     launched_world_size()
     local_rank = int(os.environ["LOCAL_RANK"])
-    has_gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
-    backend = os.environ.get("BACKEND", "nccl" if has_gpu else "gloo").lower()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = os.environ.get("BACKEND", "nccl" if gpus else "gloo").lower()
     if backend not in ("gloo", "nccl"):
         refuse(f"BACKEND={backend!r}; use gloo or nccl")
-    if backend == "nccl" and not has_gpu:
-        refuse(f"BACKEND=nccl needs a CUDA device for LOCAL_RANK={local_rank}, "
-               f"and this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    if backend == "nccl" and local_world > gpus:  # decided alike on every rank of the node: all refuse
+        refuse(f"NCCL needs one CUDA device per process: {local_world} processes on this node, {gpus} CUDA "
+               f"devices; use --nproc-per-node={gpus} or BACKEND=gloo" if gpus else
+               f"NCCL needs one CUDA device per process, and this machine has 0 CUDA devices; use BACKEND=gloo")
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
