@@ -86,7 +86,7 @@ def gather_along_dim(x, dim, dst=0, group=None):
 def reduce_to(x, dst=0, op=dist.ReduceOp.SUM, group=None):
     """op over every rank's x, as a new tensor on dst (global rank); None elsewhere; x itself is untouched.
     (dist.reduce works in place, and gloo leaves partial sums in the other ranks' buffers: measured.)"""
-    out = x.clone()
+    out = x.clone(memory_format=torch.contiguous_format)  # NCCL takes contiguous tensors only (gloo: dense)
     dist.reduce(out, dst, op=op, group=group)
     return out if dist.get_rank() == dst else None
 

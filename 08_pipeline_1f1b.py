@@ -304,6 +304,7 @@ def main():
     if NUM_BLOCKS % W:
         refuse(f"{NUM_BLOCKS} blocks do not split evenly over {W} stages; use 1, 2, 3, 4, 6 or 8 ranks")
     rank, world, device = setup()
+    dist.barrier()  # NCCL: a group's first batch_isend_irecv must include all its ranks; the last stage's posts none
     full = nn.Sequential(*(Block(HIDDEN, torch.float64, device) for _ in range(NUM_BLOCKS)))  # alike: seeded
     name = {schedule_1f1b: "1F1B", schedule_gpipe: "GPipe"}
     impl = lambda batched: "batched" if batched else "ordered"
