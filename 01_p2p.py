@@ -14,8 +14,9 @@ ring all-reduce of lesson 03):
   both neighbours    before: rank r holds R_r, L_r after: rank r holds R_{r-1} (from prev) and L_{r+1} (from next)
 
 Three rules keep this correct and free of deadlock:
-- A blocking send returns only once the receiver has posted the matching recv: gloo does so even for ten floats
-  (measured, torch 2.13), NCCL for anything larger than its buffers. If every rank sends first, every rank
+- A blocking send completes only once the receiver has posted the matching recv: gloo's send blocks even for
+  ten floats (measured, torch 2.13); NCCL's returns to the CPU at once but its kernel waits on the GPU for the
+  matching receive, so the GPU stalls the same way. If every rank sends first, every rank
   waits for a recv its peer posts only after its own send: a deadlock. Even ranks send first and odd ranks
   receive first, and the chain of waits always ends (section 2 plays both orders and checks; it never runs the
   bad one). On NCCL an isend/irecv also waits on its GPU stream for its partner, so Megatron posts even its

@@ -401,7 +401,7 @@ def main():
     mlp.zero_grad()
     (sum((mlp(x) * dy).sum() for x, dy in zip(xs, dys)) / dp).backward()  # dense: all micro-batches at once
     check_grads(*mlp_grads(p_mlp, mlp))
-    log(f"TP MLP == dense on its replica's micro-batch; DP-averaged grad shards == dense over all {dp} of them")
+    log(f"TP MLP == dense on its replica's micro-batch; DP-averaged grad shards == dense over the {dp} micro-batches")
     finish(f"f/g/scatter/gather, column/row layers, MLP, attention == dense at TP={world}; TP {tp} x DP {dp}")
 
 
