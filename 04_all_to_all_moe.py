@@ -1,4 +1,4 @@
-"""All-to-all, and the expert-parallel MoE layer built on it.
+"""04 - all-to-all, and the expert-parallel MoE layer built on it.
 
 Expert parallelism (GShard, Switch, Mixtral, DeepSeek-V3) spreads E experts over W ranks, E/W on each. A
 replicated router picks k experts for every token; the token travels to the ranks that hold its experts

@@ -1,4 +1,4 @@
-"""Tensor parallelism, Megatron-style: split a layer's weight across the ranks of a TP group.
+"""05 - tensor parallelism, Megatron-style: split a layer's weight across the ranks of a TP group.
 
 Each transformer block runs its MLP and its attention on p ranks (Megatron-LM, Shoeybi et al. 2019).
 The first linear is split by output columns (ColumnParallelLinear), the second by input rows

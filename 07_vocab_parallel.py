@@ -1,4 +1,4 @@
-"""Vocabulary parallelism: the embedding table, the LM head and the loss, split by vocabulary rows.
+"""07 - vocabulary parallelism: the embedding table, the LM head and the loss, split by vocabulary rows.
 
 The vocabulary (32k to 256k tokens) makes the input embedding and the output layer an LLM's largest matrices,
 and the logits (tokens x vocabulary) its largest activation. Megatron-LM splits all three along the vocabulary

@@ -1,4 +1,4 @@
-"""Data parallelism in buckets: DDP all-reduces the gradients; ZeRO-2 reduce-scatters them and shards the optimizer.
+"""09 - data parallelism in buckets: DDP all-reduces the gradients; ZeRO-2 reduce-scatters them and shards the optimizer.
 
 Every rank holds the whole model and trains it on its own slice of the global batch; the gradients are summed
 over ranks before the optimizer step. DDP (PyTorch DDP, Megatron's DistributedDataParallel) all-reduces them and
