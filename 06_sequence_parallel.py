@@ -1,4 +1,4 @@
-"""06 - sequence parallelism: Megatron's (split what tensor parallelism leaves whole) and Ulysses (all-to-all to heads).
+"""06 - sequence parallelism: Megatron's (split what TP leaves whole) and Ulysses (all-to-all to heads).
 
 Megatron SP (Korthikanti et al., 2022). Tensor parallelism runs LayerNorm, dropout and the residual on the whole
 [s, b, h] activation on every rank. SP splits them along the sequence and cuts TP's all-reduce into its halves:
