@@ -113,8 +113,9 @@ def launch(script: str, world: int, extra_env=None, deadline: float = RUN_DEADLI
     return run
 
 
-def check_passed(run_: Run, outputs):
+def check_passed(run_: Run):
     assert not run_.timed_out and all(c == 0 for c in run_.codes), run_.report()
+    outputs = run_.outs
     last = [ln for ln in outputs[0].splitlines() if ln.strip()][-1:] or [""]
     assert PASSED.match(last[0]), "rank 0's last line is not the summary\n" + run_.report()
     warned = [ln for text in outputs + run_.errs for ln in text.splitlines()
@@ -132,7 +133,7 @@ def _has_lessons():
 @pytest.mark.parametrize("script", LESSONS)
 def test_world_size(script, world):
     run_ = launch(script, world)
-    check_passed(run_, run_.outs)
+    check_passed(run_)
 
 
 @pytest.mark.parametrize("script", LESSONS)
@@ -140,7 +141,7 @@ def test_world_size_3_runs_or_is_refused_cleanly(script):
     """3 ranks fits some lessons and not others: either it passes, or every rank says why and exits 2, fast."""
     run_ = launch(script, 3)
     if all(c == 0 for c in run_.codes):
-        check_passed(run_, run_.outs)
+        check_passed(run_)
         return
     assert not run_.timed_out and all(c == 2 for c in run_.codes), run_.report()
     refused_ranks = {int(m.group(1)) for e in run_.errs for m in REFUSED.finditer(e)}
@@ -214,12 +215,15 @@ def test_torchrun_4(script):
     here, OMP_NUM_THREADS=1 (what torchrun sets for its workers anyway)."""
     [(code, out)] = _run_cmd([_torchrun() + ["--nproc-per-node=4", "--standalone", script]])
     run_ = Run([code], [out], [""], "TIMED OUT" in out, 0.0)
-    check_passed(run_, [out])
+    check_passed(run_)
 
 
 @pytest.mark.slow
 def test_two_nodes_with_sub_groups():
-    """Two torchrun agents (2 nodes x 2 processes) meet through c10d rendezvous and run a lesson with sub-groups."""
+    """Two torchrun agents (2 nodes x 2 processes) meet through c10d rendezvous and run a lesson with sub-groups.
+
+    Only the lesson's lines are checked: when the agent that hosts the rendezvous store leaves first, the other
+    agent logs a RendezvousConnectionError on its way out (torchrun's own noise, after every rank passed)."""
     # 05 builds the TP x DP grid of sub-groups; any other lesson that calls new_group will do if it is absent
     uses_groups = sorted((f for f in LESSONS if "new_group(" in (HERE / f).read_text()),
                          key=lambda f: f != "05_tp_layers.py")
@@ -231,5 +235,4 @@ def test_two_nodes_with_sub_groups():
     results = _run_cmd([cmd, cmd])
     outs = "\n".join(out for _, out in results)
     assert all(code == 0 for code, _ in results), outs
-    assert sum(bool(PASSED.search(o.strip().splitlines()[-1])) for _, o in results if o.strip()) == 1, outs
-    assert re.search(r"\[R0\] all checks passed: ", outs), outs
+    assert len(re.findall(r"^\[R0\] all checks passed: ", outs, re.M)) == 1, outs
