@@ -1,7 +1,7 @@
-"""The only shared file: process-group set-up, logging, and async-overlap helpers (and, on torch < 2.13, the
-two renamed collectives: importing it adds `dist.all_gather_single` and `dist.reduce_scatter_single`).
+"""The only shared file: process-group set-up and teardown, logging, overlap timing, and traffic counting.
 
-Every numbered lesson starts with `rank, world, device = setup()` and ends with `finish("what it proved")`.
+The lessons' demos use it; their building blocks never do (each block needs only torch, so it pastes alone).
+Every demo starts with `rank, world, device = setup()` and ends with `finish("what it proved")`.
 
     setup()        joins the group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...)
                    backend: NCCL when CUDA devices exist, else gloo; BACKEND=gloo|nccl overrides. NCCL wants
@@ -10,16 +10,21 @@ Every numbered lesson starts with `rank, world, device = setup()` and ends with 
                             so the same file runs on every node of `torchrun --nnodes=N`
                    timeout: PG_TIMEOUT seconds (default 30), so a deadlock raises instead of hanging
                    seed:    the same on every rank, so every rank can build the same reference inputs
-    refuse(why)    one line on each rank, process exit code 2 (torchrun itself then exits 1): for world
-                   sizes or options a lesson cannot use
-    finish(what)   rank 0's last line, "[R0] all checks passed: ...", then a barrier (and on NCCL, destroy)
+    refuse(why)    for a world size or option the lesson cannot use, decided alike on every rank: each rank
+                   prints one line, all wait for each other (so none is killed before it spoke), exit code 2
+    wait_all()     a barrier that, on gloo, names the ranks that never arrived (monitored_barrier)
+    finish(what)   rank 0's last line, "[R0] all checks passed: ...", then teardown(): wait for all, destroy
     log / head     rank 0 speaks; log_all prints one line from every rank, in rank order
     overlap(...)   start a collective with async_op=True, compute while it travels, then wait
     time_overlap   this rank's seconds for comm alone, compute alone and both overlapped (syncs CUDA first)
+    traffic()      `with traffic() as t:` counts this rank's collectives and P2P calls and the bytes handed to them
 
-Started without torchrun, a lesson prints the torchrun command to use and exits with code 2.
+`python FILE` (no torchrun) relaunches FILE under torchrun's own entry point, standalone, with NPROC processes
+(default 4): the same as `torchrun --standalone --nproc-per-node=4 FILE`.
 """
+import collections
 import datetime
+import math
 import os
 import statistics
 import sys
@@ -27,13 +32,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
-# torch 2.13 renamed two collectives; the old names still work there but warn. Lessons use the new
-# names, and these two lines give them to older torch.
-if not hasattr(dist, "all_gather_single"):
-    dist.all_gather_single = dist.all_gather_into_tensor
-if not hasattr(dist, "reduce_scatter_single"):
-    dist.reduce_scatter_single = dist.reduce_scatter_tensor
 
 EXIT_REFUSED = 2
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -44,26 +42,49 @@ def _script():
 
 
 def refuse(why: str):
-    """Print one line saying why this run cannot go on, on this rank, and exit with code 2."""
+    """Print one line saying why this run cannot go on, wait until every rank has said it, exit with code 2.
+
+    Call it on every rank (the decision must be the same everywhere). Under torchrun, the first rank to exit
+    gets the others killed, so no rank leaves before all have printed: a gloo group is made for that if none
+    exists yet (refusals come before setup(), and NCCL may be what is being refused).
+    """
     rank = os.environ.get("RANK", "?")
     print(f"[R{rank}] {_script()} refuses to run: {why}", file=sys.stderr, flush=True)
-    if dist.is_initialized() and dist.get_backend() == "nccl":  # see teardown()
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    teardown()
     sys.exit(EXIT_REFUSED)
 
 
 def launched_world_size() -> int:
     """WORLD_SIZE from torchrun's environment, readable before the group exists (to refuse early).
 
-    Started without torchrun, it prints the torchrun command to use and exits with code 2.
+    Started as `python FILE`, it runs FILE again under torchrun (standalone, NPROC processes, default 4) and
+    exits with torchrun's exit code.
     """
-    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
-    if missing:
-        print(f"{_script()} is a distributed lesson: start it with torchrun, e.g.\n"
-              f"    torchrun --nproc-per-node=4 {_script()}\n"
-              f"(missing environment variables: {', '.join(missing)})", file=sys.stderr, flush=True)
+    if all(v in os.environ for v in _TORCHRUN_VARS):
+        return int(os.environ["WORLD_SIZE"])
+    nproc = os.environ.get("NPROC", "4")
+    if not nproc.isdigit() or int(nproc) < 1:
+        print(f"{_script()}: NPROC={nproc!r} is not a number of processes (a whole number >= 1)",
+              file=sys.stderr, flush=True)
         sys.exit(EXIT_REFUSED)
-    return int(os.environ["WORLD_SIZE"])
+    cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", sys.argv[0], *sys.argv[1:]]
+    print(f"not started by torchrun: running  torchrun --standalone --nproc-per-node={nproc} {_script()}",
+          flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets anyway (it warns when it has to)
+    os.execv(sys.executable, [sys.executable, *cmd])
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip() or str(default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        refuse(f"{name}={raw!r}: give the seconds a collective may wait, a number > 0 (default {default:g})")
+    return value
 
 
 def setup(seed: int = 0):
@@ -72,33 +93,45 @@ def setup(seed: int = 0):
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = os.environ.get("BACKEND", "nccl" if gpus else "gloo").lower()
+    backend = os.environ.get("BACKEND", "").strip().lower() or ("nccl" if gpus else "gloo")
     if backend not in ("gloo", "nccl"):
         refuse(f"BACKEND={backend!r}; use gloo or nccl")
     if backend == "nccl" and local_world > gpus:  # decided alike on every rank of the node: all refuse
         refuse(f"NCCL needs one CUDA device per process: {local_world} processes on this node, {gpus} CUDA "
                f"devices; use --nproc-per-node={gpus} or BACKEND=gloo" if gpus else
                f"NCCL needs one CUDA device per process, and this machine has 0 CUDA devices; use BACKEND=gloo")
+    timeout = datetime.timedelta(seconds=_seconds("PG_TIMEOUT", 30))
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=float(os.environ.get("PG_TIMEOUT", "30")))
-    dist.init_process_group(backend, timeout=timeout,
-                            device_id=device if backend == "nccl" else None)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     torch.manual_seed(seed)
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def teardown():
-    """Wait for every rank (so none leaves while another still talks to it), then free the group.
+def wait_all(group=None):
+    """Block until every rank of `group` arrives. On gloo a monitored barrier: a rank that never comes is named
+    in the error (a plain barrier would only time out)."""
+    if dist.get_backend(group) == "gloo":
+        dist.monitored_barrier(group, wait_all_ranks=True)
+    else:
+        dist.barrier(group)
 
-    NCCL needs destroy_process_group() to free its communicators (and warns without it). On gloo the process's
-    exit frees the group: torch 2.6's destroy_process_group() on gloo can hang when the rank that hosts the
-    store has already left (seen in this project's tests), and 2.13 needs neither.
+
+def teardown():
+    """Wait for every rank, then destroy every group; the rank that may host the store leaves last.
+
+    Destroying matters on gloo too: a gloo group left to interpreter shutdown can abort the process after all
+    checks passed. Rank 0 may host the rendezvous store, and a rank destroying its group while the store's
+    host is gone can hang (torch 2.6), so rank 0 waits for the others' word before it leaves.
     """
-    dist.barrier()
-    if dist.get_backend() == "nccl":
-        dist.destroy_process_group()
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wait_all()
+    dist.destroy_process_group()
+    store.set(f"left/{rank}", "1")
+    if rank == 0 and world > 1:
+        store.wait([f"left/{r}" for r in range(1, world)])
 
 
 def finish(summary: str):
@@ -161,3 +194,55 @@ def time_overlap(start_comm, compute, device, iters: int = 5) -> dict:
     return {"comm": timed(lambda: start_comm().wait()),
             "compute": timed(compute),
             "overlapped": timed(lambda: overlap(start_comm, compute))}
+
+
+# ---- traffic: what this rank hands to c10d ------------------------------------------------------------------
+# c10d op -> (name, index of the argument holding the tensors this rank hands in). In-place ops (all-reduce,
+# broadcast, reduce, send, recv) hand their first argument; the others are (output, input, ...).
+_C10D = {"allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
+         "_allgather_base_": ("all_gather", 1), "allgather_": ("all_gather", 1),
+         "allgather_coalesced_": ("all_gather", 1), "allgather_into_tensor_coalesced_": ("all_gather", 1),
+         "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+         "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+         "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
+         "broadcast_": ("broadcast", 0), "reduce_": ("reduce", 0), "scatter_": ("scatter", 1),
+         "gather_": ("gather", 1), "send": ("send", 0), "recv_": ("recv", 0), "recv_any_source_": ("recv", 0)}
+
+
+def _nbytes(x) -> int:
+    return x.nbytes if isinstance(x, torch.Tensor) else sum(_nbytes(y) for y in x)
+
+
+def traffic():
+    """A context manager that records every collective and P2P call this rank issues inside it.
+
+        with traffic() as t:
+            y = block(x)
+        t.counts["all_reduce"], t.bytes["all_reduce"]   # calls, and bytes of the tensors this rank handed in
+        t.calls                                          # [(name, group's global ranks, bytes), ...] in order
+
+    Bytes handed in are the input: what an all-reduce reduces, what an all-gather contributes, what a send
+    sends, the buffer a recv fills. What a rank puts on the wire follows from it by the algorithm's closed form
+    (a ring all-reduce sends 2(W-1)/W of it). It is a dispatch mode, like PyTorch's CommDebugMode: it sees each
+    c10d op as it is dispatched, also inside autograd's backward, and unlike CommDebugMode it counts send and
+    recv and needs no module tracker (README: "Why the plumbing looks like this").
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Traffic(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts, self.bytes, self.calls = collections.Counter(), collections.Counter(), []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name, which = _C10D.get(func._overloadpacket.__name__, (None, None))
+            if name is not None and func.namespace == "c10d":
+                pg = next(dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject)
+                          and "ProcessGroup" in str(a._type()))
+                nbytes = _nbytes(args[which])
+                self.counts[name] += 1
+                self.bytes[name] += nbytes
+                self.calls.append((name, tuple(dist.get_process_group_ranks(pg)), nbytes))
+            return func(*args, **(kwargs or {}))
+
+    return Traffic()
