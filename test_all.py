@@ -1,28 +1,37 @@
 """Runs every numbered lesson the ways people run it, and fails loudly (every rank's output) when one breaks.
 
     pytest test_all.py                 everything (about a minute and a half on 2 cores)
-    pytest test_all.py -m "not slow"   the edit loop: the world-size matrix through the fast launcher
+    pytest test_all.py -m "not slow"   the edit loop: everything but the real torchrun launches
     pytest test_all.py -k 05_          one lesson
+    pytest test_all.py -m gpu          every lesson under torchrun with NCCL, one process per GPU (skipped without)
+    pytest test_all.py -m stress       every lesson at every world size, many times: exits that abort now and then
 
 Two launchers:
-- torchrun itself (`slow`): the advertised `torchrun --nproc-per-node=4 --standalone FILE`, and two torchrun
-  agents on this machine forming a 2-node job through c10d rendezvous.
+- torchrun itself (`slow`): `torchrun --standalone --nproc-per-node=N FILE`, `python FILE` (which relaunches
+  itself under torchrun), and two torchrun agents on this machine forming a 2-node job through c10d rendezvous.
 - a fast launcher with torchrun's environment contract (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-  MASTER_ADDR, MASTER_PORT). Its workers are forked from a forkserver that imported torch once, so a run
-  costs a fraction of a second instead of seconds of imports. Each rank writes to its own files.
+  MASTER_ADDR, MASTER_PORT). A "zygote" process imports torch once; each rank is forked from it, runs the
+  lesson as __main__ and then leaves like any Python program (interpreter shutdown, atexit, thread joins), so a
+  crash at exit shows here as it would under torchrun. A run costs a fraction of a second instead of seconds of
+  imports. Its ranks also check NCCL's contract on the CPU: a collective or P2P call handed a non-contiguous
+  tensor, or one not on the lesson's device, fails the run naming the op and the line (gloo would accept it).
 
 A lesson passes when every rank exits 0, rank 0's last line is "[R0] all checks passed: ...", and no rank
 printed a warning. Each run has a deadline; on a hang every rank is killed and every rank's output shown.
 """
+import atexit
+import functools
 import glob
-import multiprocessing
+import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -36,12 +45,10 @@ GRACE = 10          # seconds the other ranks get after the first one exits, bef
 PASSED = re.compile(r"^\[R0\] all checks passed: .+")
 REFUSED = re.compile(r"^\[R(\d+)\] \S+ refuses to run: .+", re.M)
 WARNING = re.compile(r"warning|\bwarn\b", re.I)
-TORCHRUN_BANNER = re.compile(r"torch/distributed/run\.py:\d+\]")  # torchrun's own OMP_NUM_THREADS note
+ABORTED = re.compile(r"terminate called|core dumped|Aborted|Segmentation fault")
+GLOO = {"BACKEND": "gloo"}  # pinned: on a machine with GPUs, setup() would pick NCCL and refuse 8 ranks
 
-os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it; inherited by the forkserver and its workers
-
-_CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor.debug", "test_all"])
+os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it; inherited by the zygote and its ranks
 
 
 def free_port() -> int:
@@ -50,18 +57,130 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(script: str, env: dict, out_path: str, err_path: str):
-    """One rank, in a process forked from the forkserver: torchrun's environment, then the script as __main__."""
+# ---- NCCL's contract, checked on the CPU ------------------------------------------------------------------
+CHECKED_OPS = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+               "reduce_scatter_tensor", "all_gather", "reduce_scatter", "all_to_all_single", "all_to_all",
+               "broadcast", "reduce", "scatter", "gather", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+def install_contract(device_type: str):
+    """Wrap torch.distributed's collectives and P2P calls: each tensor handed to one must be contiguous and on
+    `device_type`, as NCCL demands (gloo accepts a non-contiguous tensor and answers right)."""
+    import traceback
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def tensors(x):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, dist.P2POp):
+            yield x.tensor
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                yield from tensors(y)
+
+    def where():
+        frames = [f for f in traceback.extract_stack()[:-2]  # the caller's: not torch's, runpy's or ours
+                  if f.filename != __file__ and "/torch/" not in f.filename and not f.filename.startswith("<")]
+        return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+
+    for name in CHECKED_OPS:
+        original = getattr(c10d, name, None)
+        if original is None:
+            continue
+
+        @functools.wraps(original)
+        def checked(*args, _original=original, _name=name, **kwargs):
+            for t in tensors(list(args) + list(kwargs.values())):
+                if not t.is_contiguous():
+                    raise RuntimeError(f"NCCL's contract: dist.{_name} was handed a non-contiguous tensor "
+                                       f"(shape {tuple(t.shape)}, stride {t.stride()}) at {where()}")
+                if t.device.type != device_type:
+                    raise RuntimeError(f"NCCL's contract: dist.{_name} was handed a tensor on {t.device}, not "
+                                       f"on the lesson's device ({device_type}) at {where()}")
+            return _original(*args, **kwargs)
+
+        setattr(c10d, name, checked)
+        if getattr(dist, name, None) is original:
+            setattr(dist, name, checked)
+
+
+# ---- the fast launcher: ranks forked from a zygote that imported torch once --------------------------------
+def _rank(req: dict, rank: int):
+    """In a forked child: become rank `rank` of the request, run the script, and exit like a Python program."""
     import runpy
-    os.environ.update(env)
-    for fd, path in ((1, out_path), (2, err_path)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    import traceback
+    os.environ.update(req["env"][rank])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, name in ((1, f"{rank}.out"), (2, f"{rank}.err")):
+        f = os.open(os.path.join(req["dir"], name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
         os.close(f)
     os.chdir(HERE)
     sys.path.insert(0, str(HERE))
-    sys.argv = [script]
-    runpy.run_path(script, run_name="__main__")
+    sys.argv = [req["script"]]
+    if req["without_common"]:
+        sys.modules["common"] = None  # `import common` raises ImportError, as where only the blocks were pasted
+    if req["contract"]:
+        install_contract("cpu")
+    code = 0
+    try:
+        runpy.run_path(req["script"], run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    raise SystemExit(code)  # leaves through the zygote's main: a real interpreter shutdown follows
+
+
+def _zygote():
+    """`python test_all.py --zygote`: read one launch per line (JSON), fork its ranks, answer their exit codes."""
+    import torch  # noqa: F401  (imported once, here; the forked ranks inherit it)
+    import torch.distributed  # noqa: F401
+    import torch.nn.functional  # noqa: F401
+    import torch.testing  # noqa: F401
+    for line in sys.stdin:
+        req = json.loads(line)
+        t0 = time.monotonic()
+        pids = []
+        for rank in range(len(req["env"])):
+            pid = os.fork()
+            if pid == 0:
+                _rank(req, rank)  # never returns
+            pids.append(pid)
+        codes, first_exit, timed_out = [None] * len(pids), None, False
+        while None in codes:
+            for i, pid in enumerate(pids):
+                if codes[i] is None:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        codes[i] = os.waitstatus_to_exitcode(status)  # -6: aborted by SIGABRT
+            now = time.monotonic()
+            if first_exit is None and any(c is not None for c in codes):
+                first_exit = now  # ranks leave together (after a barrier, or all refusing): a straggler is stuck
+            if None in codes and (now - t0 > req["deadline"] or (first_exit and now - first_exit > GRACE)):
+                timed_out = now - t0 > req["deadline"]
+                for i, pid in enumerate(pids):
+                    if codes[i] is None:
+                        os.kill(pid, signal.SIGKILL)
+                        codes[i] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            time.sleep(0.005)
+        print(json.dumps({"codes": codes, "timed_out": timed_out, "seconds": time.monotonic() - t0}), flush=True)
+
+
+_ZYGOTE = None
+
+
+def _zygote_process():
+    global _ZYGOTE
+    if _ZYGOTE is None or _ZYGOTE.poll() is not None:
+        _ZYGOTE = subprocess.Popen([sys.executable, __file__, "--zygote"], cwd=HERE, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        atexit.register(_ZYGOTE.kill)
+    return _ZYGOTE
 
 
 class Run:
@@ -77,50 +196,35 @@ class Run:
         return "\n".join(lines)
 
 
-def launch(script: str, world: int, extra_env=None, deadline: float = RUN_DEADLINE) -> Run:
+def launch(script: str, world: int, extra_env=None, deadline: float = RUN_DEADLINE, contract: bool = True,
+           without_common: bool = False) -> Run:
     """Start `world` ranks of `script` with torchrun's environment contract and wait for all of them."""
     port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="lesson-"))
-    procs, files = [], []
-    for rank in range(world):
-        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), **(extra_env or {})}
-        out, err = tmp / f"{rank}.out", tmp / f"{rank}.err"
-        p = _CTX.Process(target=_rank_main, args=(script, env, str(out), str(err)))
-        p.start()
-        procs.append(p)
-        files.append((out, err))
-    t0 = time.monotonic()
-    first_exit, timed_out = None, False
-    while any(p.is_alive() for p in procs):
-        now = time.monotonic()
-        if first_exit is None and any(p.exitcode is not None for p in procs):
-            first_exit = now  # ranks leave together (after a barrier, or all refusing): a straggler is stuck
-        if now - t0 > deadline or (first_exit is not None and now - first_exit > GRACE):
-            timed_out = now - t0 > deadline
-            for p in procs:
-                p.kill()
-            break
-        time.sleep(0.02)
-    for p in procs:
-        p.join()
-    seconds = time.monotonic() - t0
+    env = [{"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world),
+            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **GLOO, **(extra_env or {})}
+           for r in range(world)]
+    req = {"script": str(script), "env": env, "dir": str(tmp), "deadline": deadline, "contract": contract,
+           "without_common": without_common}
+    zygote = _zygote_process()
+    zygote.stdin.write(json.dumps(req) + "\n")
+    zygote.stdin.flush()
+    answer = json.loads(zygote.stdout.readline())
     read = lambda p: p.read_text(errors="replace") if p.exists() else ""
-    run = Run([p.exitcode for p in procs], [read(o) for o, _ in files], [read(e) for _, e in files],
-              timed_out, seconds)
+    run = Run(answer["codes"], [read(tmp / f"{r}.out") for r in range(world)],
+              [read(tmp / f"{r}.err") for r in range(world)], answer["timed_out"], answer["seconds"])
     shutil.rmtree(tmp, ignore_errors=True)
     return run
 
 
 def check_passed(run_: Run):
     assert not run_.timed_out and all(c == 0 for c in run_.codes), run_.report()
-    outputs = run_.outs
-    last = [ln for ln in outputs[0].splitlines() if ln.strip()][-1:] or [""]
+    last = [ln for ln in run_.outs[0].splitlines() if ln.strip()][-1:] or [""]
     assert PASSED.match(last[0]), "rank 0's last line is not the summary\n" + run_.report()
-    warned = [ln for text in outputs + run_.errs for ln in text.splitlines()
-              if WARNING.search(ln) and not TORCHRUN_BANNER.search(ln)]
+    warned = [ln for text in run_.outs + run_.errs for ln in text.splitlines() if WARNING.search(ln)]
     assert not warned, "warnings in the output:\n" + "\n".join(warned) + "\n" + run_.report()
+    aborted = [ln for text in run_.outs + run_.errs for ln in text.splitlines() if ABORTED.search(ln)]
+    assert not aborted, "a rank aborted:\n" + "\n".join(aborted) + "\n" + run_.report()
 
 
 def _has_lessons():
@@ -128,12 +232,18 @@ def _has_lessons():
         pytest.skip("no numbered lesson in the tree yet")
 
 
-# ---- every lesson at every world size, through the fast launcher ------------------------------------
+def _script(tmp_path, code: str) -> str:
+    """A throw-away script (for error paths no lesson should contain) that can import common."""
+    path = tmp_path / "probe.py"
+    path.write_text(f"import sys; sys.path.insert(0, {str(HERE)!r})\n" + textwrap.dedent(code))
+    return str(path)
+
+
+# ---- every lesson at every world size, through the fast launcher -------------------------------------------
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("script", LESSONS)
 def test_world_size(script, world):
-    run_ = launch(script, world)
-    check_passed(run_)
+    check_passed(launch(script, world))
 
 
 @pytest.mark.parametrize("script", LESSONS)
@@ -150,7 +260,100 @@ def test_world_size_3_runs_or_is_refused_cleanly(script):
     assert run_.seconds < 10, run_.report()
 
 
-# ---- clear errors instead of hangs ------------------------------------------------------------------
+# ---- a block pasted alone: only torch, your own process group ----------------------------------------------
+# For each lesson, a few lines a user would write: import the file where common.py cannot be imported, make the
+# process group yourself, call one block at 2 ranks and compare it with plain torch.
+PASTED = {
+    "01_p2p.py": """
+        x = torch.arange(6.).view(2, 3).t()              # a non-contiguous activation: send_forward copes
+        if rank == 0:
+            m.send_forward(x)
+        else:
+            got = m.recv_forward((3, 2), torch.float32, torch.device("cpu"))
+            assert torch.equal(got, x), got
+    """,
+    "02_root_collectives.py": """
+        full = torch.arange(24.).view(4, 6)
+        out = torch.empty(4, 3)
+        m.scatter_along_dim(full if rank == 0 else None, out, dim=1, src=0)
+        assert torch.equal(out, full.chunk(2, dim=1)[rank]), out
+    """,
+    "03_allreduce_rs_ag.py": """
+        x = torch.arange(8.) * (rank + 1)
+        assert torch.equal(m.ring_all_reduce(x.clone()), torch.arange(8.) * 3)
+        y = m.all_gather(x.view(2, 4), dim=1)
+        assert torch.equal(y, torch.cat([torch.arange(8.).view(2, 4), 2 * torch.arange(8.).view(2, 4)], 1)), y
+    """,
+    "04_all_to_all_moe.py": """
+        x = torch.arange(4.) + 10 * rank                 # rank r sends rows [2j, 2j+1] to rank j
+        y = m.all_to_all(x)
+        assert torch.equal(y, torch.tensor([0., 1., 10., 11.]) + 2 * rank), y
+    """,
+    "05_tp_layers.py": """
+        dense = torch.nn.Linear(6, 4, dtype=torch.float64)
+        col = m.ColumnParallelLinear.from_dense(dense, gather_output=True)
+        x = torch.randn(3, 6, dtype=torch.float64)
+        torch.testing.assert_close(col(x), dense(x))
+    """,
+    "06_sequence_parallel.py": """
+        q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64) for _ in range(3))
+        want = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                                                is_causal=True).transpose(1, 2)
+        shard = lambda t: m.zigzag_shard(t, 1)
+        out = m.ring_attention(shard(q), shard(k), shard(v), is_causal=True)
+        torch.testing.assert_close(m.zigzag_unshard(out, 1), want)
+    """,
+    "07_vocab_parallel.py": """
+        logits = torch.randn(5, 8, dtype=torch.float64)
+        target = torch.tensor([0, 7, 3, 4, -100])
+        loss = m.vocab_parallel_cross_entropy(logits.chunk(2, dim=1)[rank], target)
+        torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits, target))
+    """,
+    "08_pipeline_1f1b.py": """
+        order = m.schedule_1f1b(2, rank, 3)
+        assert [op[0] for op in order] == (["F", "F", "B", "F", "B", "B"] if rank == 0 else ["F", "B"] * 3), order
+    """,
+    "09_ddp_zero2.py": """
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 2, dtype=torch.float64)
+        ref = torch.nn.Linear(4, 2, dtype=torch.float64)
+        ref.load_state_dict(net.state_dict())
+        model = m.DDP(net, bucket_numel=8, optimizer_class=torch.optim.SGD, lr=0.1)
+        x = torch.randn(4, 4, dtype=torch.float64)
+        model(x[2 * rank:2 * rank + 2]).pow(2).sum().backward()
+        model.step()
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        (ref(x).pow(2).sum() / 2).backward()
+        opt.step()
+        torch.testing.assert_close(net.weight, ref.weight)
+    """,
+}
+
+
+@pytest.mark.parametrize("script", sorted(PASTED), ids=lambda s: "lesson" + s[:2])
+def test_block_pasted_alone(script, tmp_path):
+    """The blocks need only torch: the file imports with common.py unimportable, and a block runs at 2 ranks
+    inside a process group the user made (as in their own training script)."""
+    probe = _script(tmp_path, textwrap.dedent(f"""
+        import importlib.util, os, torch, torch.distributed as dist
+        spec = importlib.util.spec_from_file_location("lesson", {str(HERE / script)!r})
+        m = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(m)
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+    """) + textwrap.dedent(PASTED[script]) + textwrap.dedent("""
+        dist.barrier()
+        dist.destroy_process_group()
+        print("[R0] all checks passed: the block ran alone" if rank == 0 else "", end="")
+    """))
+    check_passed(launch(probe, 2, without_common=True))
+
+
+def test_every_lesson_has_a_pasted_block_check():
+    assert set(PASTED) >= set(LESSONS) - {"10_3d_parallel.py"}, "add the lesson to PASTED"
+
+
+# ---- clear errors instead of hangs -------------------------------------------------------------------------
 def test_nccl_without_gpu_is_refused_on_every_rank():
     _has_lessons()
     import torch
@@ -161,14 +364,48 @@ def test_nccl_without_gpu_is_refused_on_every_rank():
     assert all("NCCL needs one CUDA device per process" in e for e in run_.errs), run_.report()
 
 
-def test_without_torchrun_prints_the_command():
+@pytest.mark.parametrize("value", ["abc", "inf", "0", "-5", "nan"])
+def test_bad_pg_timeout_is_one_line_on_every_rank(value):
     _has_lessons()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                            "MASTER_ADDR", "MASTER_PORT")}
-    p = subprocess.run([sys.executable, LESSONS[0]], cwd=HERE, env=env, capture_output=True, text=True,
-                       timeout=60)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert f"torchrun --nproc-per-node=4 {LESSONS[0]}" in p.stderr, p.stderr
+    run_ = launch(LESSONS[0], 2, extra_env={"PG_TIMEOUT": value})
+    assert run_.codes == [2, 2] and run_.seconds < 10, run_.report()
+    assert all(len(e.strip().splitlines()) == 1 and "PG_TIMEOUT" in e for e in run_.errs), run_.report()
+
+
+def test_empty_settings_mean_the_defaults():
+    _has_lessons()
+    check_passed(launch(LESSONS[0], 2, extra_env={"BACKEND": "", "PG_TIMEOUT": ""}))
+
+
+def test_a_stuck_rank_is_named(tmp_path):
+    """A rank that never arrives is named by the others (monitored_barrier), within the timeout, not a hang."""
+    probe = _script(tmp_path, """
+        import time
+        from common import finish, setup
+        rank, world, device = setup()
+        if rank == 2:
+            time.sleep(30)
+        finish("unreachable")
+    """)
+    run_ = launch(probe, 3, extra_env={"PG_TIMEOUT": "2"}, deadline=25)
+    assert not run_.timed_out and run_.codes[0] not in (0, None), run_.report()
+    assert re.search(r"[Rr]ank 2 ", run_.errs[0]) or "[2]" in run_.errs[0], run_.report()
+
+
+def test_the_contract_check_catches_a_non_contiguous_tensor(tmp_path):
+    """The launcher's NCCL contract can fail: a transposed view handed to all_reduce names the op and line."""
+    probe = _script(tmp_path, """
+        import torch, torch.distributed as dist
+        from common import finish, setup
+        rank, world, device = setup()
+        x = torch.ones(2, 3).t()
+        dist.all_reduce(x)
+        finish("unreachable")
+    """)
+    run_ = launch(probe, 2)
+    assert all(c == 1 for c in run_.codes), run_.report()
+    assert all(re.search(r"dist.all_reduce was handed a non-contiguous tensor .* at probe.py:7$", e, re.M)
+               for e in run_.errs), run_.report()
 
 
 def test_importing_a_lesson_starts_nothing_and_prints_nothing():
@@ -179,21 +416,22 @@ def test_importing_a_lesson_starts_nothing_and_prints_nothing():
             "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
             "    assert not dist.is_initialized(), f\n")
     # every warning shown, but for ResourceWarning: torch 2.6 leaves a TemporaryDirectory of its own at exit
-    p = subprocess.run([sys.executable, "-W", "default", "-W", "ignore::ResourceWarning", "-c", code, *LESSONS], cwd=HERE,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-W", "default", "-W", "ignore::ResourceWarning", "-c", code, *LESSONS],
+                       cwd=HERE, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout == "" and p.stderr == "", p.stdout + p.stderr
 
 
-# ---- the real torchrun --------------------------------------------------------------------------------
+# ---- the real torchrun ---------------------------------------------------------------------------------------
 def _torchrun():
     exe = Path(sys.executable).parent / "torchrun"
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _run_cmd(cmds, timeout=RUN_DEADLINE):
+def _run_cmd(cmds, timeout=RUN_DEADLINE, env=None):
     """Run commands side by side in their own sessions; on a deadline kill each whole process group."""
+    env = {**os.environ, **GLOO, **(env or {})}
     procs = [subprocess.Popen(c, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for c in cmds]
+                              start_new_session=True, env=env) for c in cmds]
     results = []
     for p in procs:
         try:
@@ -208,14 +446,38 @@ def _run_cmd(cmds, timeout=RUN_DEADLINE):
     return results
 
 
+def _check_torchrun(code, out):
+    check_passed(Run([code], [out], [""], "TIMED OUT" in out, 0.0))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", LESSONS)
-def test_torchrun_4(script):
-    """The command README advertises, with --standalone (rendezvous on a free local port) and, as for every run
-    here, OMP_NUM_THREADS=1 (what torchrun sets for its workers anyway)."""
-    [(code, out)] = _run_cmd([_torchrun() + ["--nproc-per-node=4", "--standalone", script]])
-    run_ = Run([code], [out], [""], "TIMED OUT" in out, 0.0)
-    check_passed(run_)
+def test_torchrun(script):
+    """Every lesson under the real torchrun (fresh processes: imports, warnings and exits as a user sees them).
+    Two processes keep the suite's time; the fast launcher covers 1, 2, 3, 4 and 8 ranks."""
+    [(code, out)] = _run_cmd([_torchrun() + ["--nproc-per-node=2", "--standalone", script]])
+    _check_torchrun(code, out)
+
+
+@pytest.mark.slow
+def test_python_file_relaunches_under_torchrun():
+    """`python FILE` runs FILE under torchrun itself (NPROC processes)."""
+    _has_lessons()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    [(code, out)] = _run_cmd([[sys.executable, LESSONS[0]]], env={**env, "NPROC": "2"})
+    assert "torchrun --standalone --nproc-per-node=2" in out.splitlines()[0], out
+    _check_torchrun(code, "\n".join(out.splitlines()[1:]))
+
+
+@pytest.mark.slow
+def test_refusal_under_torchrun_is_said_by_every_rank():
+    """torchrun kills the other ranks when one exits: refuse() waits until every rank has said why."""
+    refusing = [f for f in LESSONS if f.startswith("04_")]
+    if not refusing:
+        pytest.skip("04 is the lesson that refuses 3 ranks")
+    [(code, out)] = _run_cmd([_torchrun() + ["--nproc-per-node=3", "--standalone", refusing[0]]])
+    assert code != 0 and {int(r) for r in REFUSED.findall(out)} == {0, 1, 2}, out
 
 
 @pytest.mark.slow
@@ -224,7 +486,6 @@ def test_two_nodes_with_sub_groups():
 
     Only the lesson's lines are checked: when the agent that hosts the rendezvous store leaves first, the other
     agent logs a RendezvousConnectionError on its way out (torchrun's own noise, after every rank passed)."""
-    # 05 builds the TP x DP grid of sub-groups; any other lesson that calls new_group will do if it is absent
     uses_groups = sorted((f for f in LESSONS if "new_group(" in (HERE / f).read_text()),
                          key=lambda f: f != "05_tp_layers.py")
     if not uses_groups:
@@ -236,3 +497,51 @@ def test_two_nodes_with_sub_groups():
     outs = "\n".join(out for _, out in results)
     assert all(code == 0 for code, _ in results), outs
     assert len(re.findall(r"^\[R0\] all checks passed: ", outs, re.M)) == 1, outs
+
+
+# ---- on a machine with GPUs: NCCL ----------------------------------------------------------------------------
+def _gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", LESSONS)
+def test_nccl(script):
+    """Every lesson under torchrun with NCCL, one process per GPU: 1, 2 or 4 of them (the largest the GPUs allow;
+    every lesson accepts these sizes)."""
+    gpus = _gpus()
+    if not gpus:
+        pytest.skip("no CUDA device: NCCL needs one per process")
+    n = max(k for k in (1, 2, 4) if k <= gpus)
+    [(code, out)] = _run_cmd([_torchrun() + [f"--nproc-per-node={n}", "--standalone", script]],
+                             env={"BACKEND": "nccl"})
+    _check_torchrun(code, out)
+
+
+# ---- stress: exits that fail now and then --------------------------------------------------------------------
+@pytest.mark.stress
+def test_exits_never_abort(request):
+    """Every lesson at 2, 3, 4 and 8 ranks, STRESS_ROUNDS times (default 5: 220 runs of real processes that
+    leave through interpreter shutdown). A failure that hits 2 % of runs escapes all of them with chance ~1 %."""
+    if "stress" not in (request.config.option.markexpr or ""):
+        pytest.skip("run it with -m stress")
+    rounds = int(os.environ.get("STRESS_ROUNDS", "5"))
+    failed, runs = [], 0
+    for _ in range(rounds):
+        for script in LESSONS:
+            for world in (2, 3, 4, 8):
+                run_ = launch(script, world)
+                runs += 1
+                if all(c == 2 for c in run_.codes) and world == 3:
+                    continue  # refused 3 ranks, cleanly
+                try:
+                    check_passed(run_)
+                except AssertionError as e:
+                    failed.append(f"{script} at {world}: {str(e)[:2000]}")
+    print(f"{runs} launches, {len(failed)} failed")
+    assert not failed, f"{len(failed)} of {runs} launches failed:\n" + "\n".join(failed)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
+    _zygote()
