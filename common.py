@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 EXIT_REFUSED = 2
+_timeout = datetime.timedelta(seconds=30)  # setup() sets it from PG_TIMEOUT
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -51,7 +52,7 @@ def refuse(why: str):
     rank = os.environ.get("RANK", "?")
     print(f"[R{rank}] {_script()} refuses to run: {why}", file=sys.stderr, flush=True)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        dist.init_process_group("gloo", timeout=_timeout)
     teardown()
     sys.exit(EXIT_REFUSED)
 
@@ -100,7 +101,8 @@ def setup(seed: int = 0):
         refuse(f"NCCL needs one CUDA device per process: {local_world} processes on this node, {gpus} CUDA "
                f"devices; use --nproc-per-node={gpus} or BACKEND=gloo" if gpus else
                f"NCCL needs one CUDA device per process, and this machine has 0 CUDA devices; use BACKEND=gloo")
-    timeout = datetime.timedelta(seconds=_seconds("PG_TIMEOUT", 30))
+    global _timeout
+    _timeout = timeout = datetime.timedelta(seconds=_seconds("PG_TIMEOUT", 30))
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -113,7 +115,7 @@ def wait_all(group=None):
     """Block until every rank of `group` arrives. On gloo a monitored barrier: a rank that never comes is named
     in the error (a plain barrier would only time out)."""
     if dist.get_backend(group) == "gloo":
-        dist.monitored_barrier(group, wait_all_ranks=True)
+        dist.monitored_barrier(group, timeout=_timeout, wait_all_ranks=True)  # its default is not the group's
     else:
         dist.barrier(group)
 
