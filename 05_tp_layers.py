@@ -16,8 +16,17 @@ The first linear is split by output columns (ColumnParallelLinear), the second b
     gather_from_tensor_model_parallel_region       forward: all-gather      backward: split last dim
 Attention is split the same way by heads: QKV column-parallel, output projection row-parallel.
 
+Sequence parallelism (sequence_parallel=True; Korthikanti et al. 2022) keeps only 1/p of the sequence on each rank
+between blocks, and f and g become the two halves of g's all-reduce:
+    gather_from_sequence_parallel_region           forward: all-gather s    backward: reduce-scatter s
+    reduce_scatter_to_sequence_parallel_region     forward: reduce-scatter  backward: all-gather s
+    rank r:  X_r [b, s/p, h] --all-gather--> X [b, s, h] --column, GeLU, row--> partial sum --reduce-scatter--> Y_r
+Here activations are batch-first [b, s, h] (as nn.MultiheadAttention(batch_first=True)): the sequence is dim 1.
+06 teaches sequence parallelism in Megatron's sequence-first [s, b, h] layout, where it is dim 0.
+
 Bytes each rank sends per block, for activations of V = batch * seq * hidden * bytes: a ring all-reduce of
 2 (p-1)/p * V forward (g) and the same backward (f); 4 all-reduces per transformer layer (MLP + attention).
+With SP, an all-gather (p-1)/p * V and a reduce-scatter (p-1)/p * V each way: the same 2 (p-1)/p * V.
 scatter sends nothing; gather (all-gather) sends (p-1)/p of the gathered tensor.
 Parameters: each rank holds 1/p of every weight and column bias; the row layer's bias is whole on every rank.
 In training, TP groups are ranks on one node (the heaviest traffic), nested in a data-parallel grid:
@@ -31,7 +40,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-# ---- private helpers (Megatron's mappings.py) --------------------------------------------------------
+# ---- building blocks: paste from here to the demo marker (they need only torch) -------------------------
+# torch 2.13 renamed these two collectives (the old names warn there); older torch has only the old names
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+SEQ_DIM = 1  # activations are [b, s, h]: sequence parallelism splits dim 1
+
+
+# private helpers (Megatron's mappings.py); each returns its input unchanged when the group has one rank
 def _divide(what: str, value: int, group) -> int:
     size = dist.get_world_size(group)
     if value % size:
@@ -48,22 +64,38 @@ def _reduce(x, group):
     return x
 
 
-def _split(x, dim, group):
-    """This rank's contiguous slice of x along `dim`; no communication."""
-    _divide(f"x.shape[{dim}]", x.shape[dim], group)
-    return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
-
-
-def _gather_along_last_dim(x, group):
-    """Every rank's x, concatenated along the last dim in rank order."""
+def _split_along_dim(x, dim, group):
+    """This rank's slice of x along `dim`; no communication."""
     size = dist.get_world_size(group)
     if size == 1:
         return x
-    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, x.contiguous(), group=group)  # [p*d0, ..., n/p]: rank blocks along dim 0
-    return torch.cat(out.chunk(size, dim=0), dim=-1)          # [d0, ..., n]
+    _divide(f"x.shape[{dim}]", x.shape[dim], group)
+    return x.chunk(size, dim)[dist.get_rank(group)].contiguous()
 
 
+def _gather_along_dim(x, dim, group):
+    """Every rank's x, joined along `dim` in group-rank order."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    all_gather_single(out, x.contiguous(), group=group)  # [p * d0, ...]: rank r's x is block r along dim 0
+    return torch.cat(out.chunk(size), dim)               # the blocks joined along `dim` (one copy, contiguous)
+
+
+def _reduce_scatter_along_dim(x, dim, group):
+    """This rank's slice along `dim` of the sum of x over the group."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    _divide(f"x.shape[{dim}]", x.shape[dim], group)
+    blocks = torch.cat(x.chunk(size, dim))              # slice r along `dim` -> block r along dim 0 (contiguous)
+    out = x.new_empty((blocks.shape[0] // size, *blocks.shape[1:]))
+    reduce_scatter_single(out, blocks, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+# one autograd Function per operator, each pairing a forward collective with its transpose
 class _CopyToModelParallelRegion(torch.autograd.Function):
     """forward: identity; backward: all-reduce (the f operator)."""
     @staticmethod
@@ -92,11 +124,11 @@ class _ScatterToModelParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group=None):
         ctx.group = group
-        return _split(x, -1, group)
+        return _split_along_dim(x, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_along_last_dim(grad, ctx.group), None
+        return _gather_along_dim(grad, -1, ctx.group), None
 
 
 class _GatherFromModelParallelRegion(torch.autograd.Function):
@@ -104,11 +136,35 @@ class _GatherFromModelParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group=None):
         ctx.group = group
-        return _gather_along_last_dim(x, group)
+        return _gather_along_dim(x, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None
+        return _split_along_dim(grad, -1, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """forward: all-gather along the sequence (dim 1); backward: reduce-scatter along it (as in 06)."""
+    @staticmethod
+    def forward(ctx, x, group=None):
+        ctx.group = group
+        return _gather_along_dim(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_along_dim(grad, SEQ_DIM, ctx.group), None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """forward: reduce-scatter along the sequence (dim 1); backward: all-gather along it (as in 06)."""
+    @staticmethod
+    def forward(ctx, x, group=None):
+        ctx.group = group
+        return _reduce_scatter_along_dim(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_along_dim(grad, SEQ_DIM, ctx.group), None
 
 
 # Megatron's public names, each called as name(x, group=None)
@@ -116,16 +172,18 @@ copy_to_tensor_model_parallel_region = _CopyToModelParallelRegion.apply
 reduce_from_tensor_model_parallel_region = _ReduceFromModelParallelRegion.apply
 scatter_to_tensor_model_parallel_region = _ScatterToModelParallelRegion.apply
 gather_from_tensor_model_parallel_region = _GatherFromModelParallelRegion.apply
+gather_from_sequence_parallel_region = _GatherFromSequenceParallelRegion.apply
+reduce_scatter_to_sequence_parallel_region = _ReduceScatterToSequenceParallelRegion.apply
 
 
-# ---- layers ------------------------------------------------------------------------------------------
+# layers
 class _ParallelLinear(nn.Module):
     """What both layers share: this rank's shard of an nn.Linear weight [out, in], split along weight_dim."""
     weight_dim = 0
 
-    def __init__(self, in_features, out_features, bias, group, device, dtype):
+    def __init__(self, in_features, out_features, bias, group, device, dtype, sequence_parallel):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         shape = [out_features, in_features]
         name = ("out_features", "in_features")[self.weight_dim]
         shape[self.weight_dim] = _divide(name, shape[self.weight_dim], group)
@@ -138,8 +196,8 @@ class _ParallelLinear(nn.Module):
     def shard(self, weight, bias=None):
         """This rank's part of a dense layer's (weight, bias), or of their gradients."""
         if bias is not None and self.weight_dim == 0:
-            bias = _split(bias, 0, self.group)
-        return _split(weight, self.weight_dim, self.group), bias
+            bias = _split_along_dim(bias, 0, self.group)
+        return _split_along_dim(weight, self.weight_dim, self.group), bias
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group=None, **options):
@@ -156,17 +214,23 @@ class ColumnParallelLinear(_ParallelLinear):
     """Y = X A + b with A = [A_0 | A_1 | ..] split by columns (output features): rank r makes Y_r = X A_r + b_r.
 
         X [.., in] (every rank) --f--> Y_r [.., out/p] --(gather_output: all-gather)--> Y [.., out]
-    nn.Linear stores A^T as weight [out, in]: rank r keeps rows r of the weight, and b_r.
+        sequence_parallel:  X_r [b, s/p, in] --all-gather along s--> X [b, s, in] --> Y_r [b, s, out/p]
+    nn.Linear stores A^T as weight [out, in]: rank r keeps rows r of the weight, and b_r. With sequence_parallel
+    autograd keeps the gathered X for backward (06's LinearWithSequenceParallel keeps X_r and gathers it again).
     """
     weight_dim = 0
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False, group=None,
-                 device=None, dtype=None):
-        super().__init__(in_features, out_features, bias, group, device, dtype)
+                 device=None, dtype=None, sequence_parallel=False):
+        super().__init__(in_features, out_features, bias, group, device, dtype, sequence_parallel)
         self.gather_output = gather_output
 
-    def forward(self, x):                                       # x: [.., in], the same on every rank
-        y = F.linear(copy_to_tensor_model_parallel_region(x, self.group), self.weight, self.bias)
+    def forward(self, x):                       # x: [.., in] the same on every rank, or with SP [b, s/p, in]
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -174,29 +238,48 @@ class RowParallelLinear(_ParallelLinear):
     """Y = X A + b with A = [A_0; A_1; ..] split by rows (input features): rank r makes a partial sum X_r A_r.
 
         X_r [.., in/p] --> X_r A_r [.., out] --g--> sum_r X_r A_r + b = Y [.., out] (every rank)
+        sequence_parallel:  X_r A_r [b, s, out] --reduce-scatter along s--> Y_r [b, s/p, out], + b
     nn.Linear stores A^T as weight [out, in]: rank r keeps columns r of the weight. The bias is whole on
-    every rank and added once, after the reduction (added before it, it would count p times).
+    every rank and added once, after the reduction (added before it, it would count p times). With
+    sequence_parallel each rank adds it to its part of the sequence only, so its gradient is a partial sum:
+    the bias is marked `sequence_parallel` (as in Megatron) for allreduce_sequence_parallel_grads.
     """
     weight_dim = 1
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True, group=None,
-                 device=None, dtype=None):
-        super().__init__(in_features, out_features, bias, group, device, dtype)
+                 device=None, dtype=None, sequence_parallel=False):
+        super().__init__(in_features, out_features, bias, group, device, dtype, sequence_parallel)
         self.input_is_parallel = input_is_parallel
+        if self.bias is not None:
+            self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x):
         if not self.input_is_parallel:                          # x: [.., in] -> this rank's [.., in/p]
             x = scatter_to_tensor_model_parallel_region(x, self.group)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
-def parallel_mlp(mlp: nn.Sequential, group=None) -> nn.Sequential:
+def allreduce_sequence_parallel_grads(module: nn.Module, group=None):
+    """After backward, sum over the group the grads of `module`'s parameters marked `sequence_parallel`: they
+    are whole on every rank but saw only this rank's part of the sequence (the row bias; LayerNorm's in 06)."""
+    for param in module.parameters():
+        if getattr(param, "sequence_parallel", False) and param.grad is not None:
+            param.grad.copy_(_reduce(param.grad, group))
+
+
+def parallel_mlp(mlp: nn.Sequential, group=None, sequence_parallel=False) -> nn.Sequential:
     """The parallel MLP holding this rank's shards of mlp = Sequential(Linear, activation, Linear):
     fc1 column-parallel (its output stays split), the activation on this rank's columns, fc2 row-parallel.
-        x [b, s, h] --fc1--> [b, s, ffn/p] --act--> [b, s, ffn/p] --fc2--> [b, s, h]"""
+        x [b, s, h] --fc1--> [b, s, ffn/p] --act--> [b, s, ffn/p] --fc2--> [b, s, h]   (SP: x, out [b, s/p, h])"""
     fc1, act, fc2 = mlp
-    return nn.Sequential(ColumnParallelLinear.from_dense(fc1, group), act, RowParallelLinear.from_dense(fc2, group))
+    options = dict(group=group, sequence_parallel=sequence_parallel)
+    return nn.Sequential(ColumnParallelLinear.from_dense(fc1, **options), act,
+                         RowParallelLinear.from_dense(fc2, **options))
 
 
 def head_major(t, heads):
@@ -209,13 +292,14 @@ class ParallelSelfAttention(nn.Module):
     """Causal self-attention with the heads split: rank r holds heads [r H/p, (r+1) H/p).
 
         x --f--> QKV_r (column) --> attention on own heads --> O_r [b, s, h/p] --> proj (row) --g--> y
+        sequence_parallel: x and y are [b, s/p, h]; QKV all-gathers the sequence, proj reduce-scatters it
     """
     def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, local_heads: int):
         super().__init__()
         self.qkv, self.proj, self.local_heads = qkv, proj, local_heads
 
     @classmethod
-    def from_dense(cls, mha: nn.MultiheadAttention, group=None):
+    def from_dense(cls, mha: nn.MultiheadAttention, group=None, sequence_parallel=False):
         if not mha.batch_first or mha.in_proj_weight is None or mha.bias_k is not None or mha.add_zero_attn \
                 or mha.dropout:
             raise ValueError("from_dense takes nn.MultiheadAttention(batch_first=True), without kdim, vdim, "
@@ -227,14 +311,16 @@ class ParallelSelfAttention(nn.Module):
             qkv.weight.copy_(head_major(w, mha.num_heads))
             if qkv.bias is not None:
                 qkv.bias.copy_(head_major(mha.in_proj_bias, mha.num_heads))
-        return cls(ColumnParallelLinear.from_dense(qkv, group), RowParallelLinear.from_dense(mha.out_proj, group),
-                   local_heads)
+        options = dict(group=group, sequence_parallel=sequence_parallel)
+        return cls(ColumnParallelLinear.from_dense(qkv, **options),
+                   RowParallelLinear.from_dense(mha.out_proj, **options), local_heads)
 
-    def forward(self, x):                                       # x: [b, s, h], the same on every rank
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, self.local_heads, 3, -1).permute(3, 0, 2, 1, 4)  # [b, H/p, s, d]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)                        # [b, H/p, s, d]
-        return self.proj(o.transpose(1, 2).reshape(b, s, -1))                              # [b, s, h]
+    def forward(self, x):                                   # x: [b, s, h] on every rank (SP: [b, s/p, h])
+        qkv = self.qkv(x)                                   # [b, s, 3 h/p]: the whole sequence, own heads
+        b, s, _ = qkv.shape
+        q, k, v = qkv.unflatten(-1, (self.local_heads, 3, -1)).permute(3, 0, 2, 1, 4)   # [b, H/p, s, d]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)                       # [b, H/p, s, d]
+        return self.proj(o.transpose(1, 2).reshape(b, s, -1))                             # [b, s, h]
 
 
 def tp_dp_groups(tp: int):
@@ -248,161 +334,311 @@ def tp_dp_groups(tp: int):
     return tp_groups[rank // tp], dp_groups[rank % tp]
 
 
-# ---- demo --------------------------------------------------------------------------------------------
-HIDDEN, HEADS, FFN, BATCH, SEQ = 32, 8, 64, 2, 4  # every size divides by p in {1, 2, 4, 8}
-# what CommDebugMode counts for dist.all_reduce and dist.all_gather_single (the c10d ops they call)
-ALLREDUCE, ALLGATHER = torch.ops.c10d.allreduce_, torch.ops.c10d._allgather_base_
+# ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+try:
+    from common import finish, head, launched_world_size, log, log_all, refuse, setup, traffic
+except ImportError:  # the blocks above, imported alone where common.py is absent
+    pass
+
+HIDDEN, HEADS, FFN, BATCH, SEQ = 32, 8, 64, 2, 8  # every size divides by p in {1, 2, 4, 8}
+F64 = torch.float64
 
 
-def check_grads(*layers_and_dense_grads):
-    """Each parallel layer's weight and bias grads equal its shard of the dense layer's grads."""
+def ints(seed, *shape, device, dtype=F64):
+    """The same integer-valued tensor on every rank (exact sums in float64), as a non-contiguous view."""
+    wide = torch.randint(-9, 10, (*shape[:-1], 2 * shape[-1]), generator=torch.Generator().manual_seed(seed))
+    return wide.to(device, dtype)[..., ::2]
+
+
+def leaf(t):
+    """A tensor that requires grad, with t's values, stored non-contiguously (every second element)."""
+    return t.new_zeros((*t.shape[:-1], 2 * t.shape[-1]))[..., ::2].copy_(t).requires_grad_()
+
+
+def members(group):
+    return dist.get_process_group_ranks(group or dist.group.WORLD)
+
+
+def part(t, dim, group, rank=None):
+    """Global rank `rank`'s (default: this rank's) slice of t along dim among group's members: the demo's own
+    reference, independent of the blocks' helpers."""
+    ranks = members(group)
+    return t.chunk(len(ranks), dim)[ranks.index(dist.get_rank() if rank is None else rank)]
+
+
+def strided_group():
+    """This rank's group among {0, 2, 4, ..} and {1, 3, 5, ..}: group rank != global rank ([0], [1] at 2 ranks)."""
+    world = dist.get_world_size()
+    groups = [dist.new_group(list(range(start, world, 2))) for start in range(min(world, 2))]
+    return groups[dist.get_rank() % 2]
+
+
+def wire(t, p):
+    """Bytes this rank puts on the wire for what traffic() counted, p ranks per group, ring algorithms: an
+    all-reduce sends 2 (p-1)/p of its input, an all-gather (p-1) times its input, a reduce-scatter (p-1)/p."""
+    return (2 * (p - 1) * t.bytes["all_reduce"] + p * (p - 1) * t.bytes["all_gather"]
+            + (p - 1) * t.bytes["reduce_scatter"]) / p
+
+
+def check_op(op, group, x, dy, want_y, want_dx, replicated, comms):
+    """The adjoint test <op(x), dy> == <x, op_backward(dy)> (a replicated tensor is ONE value, its inner product
+    counted once; a sharded or partial-sum tensor's is summed over the group), op's forward and backward values,
+    and the collectives it issued: [(name, bytes handed in)], all on `group`."""
+    x = leaf(x)
+    with traffic() as t:
+        y = op(x, group)
+        (dx,) = torch.autograd.grad(y, x, dy)
+    inner = [(a * b).sum().detach() for a, b in ((x, dx), (y, dy))]  # replicated: (x's, y's)
+    for s, rep in zip(inner, replicated):
+        if not rep:
+            dist.all_reduce(s, group=group)
+    assert torch.equal(*inner), (op, inner)
+    assert torch.equal(y, want_y) and torch.equal(dx, want_dx), op
+    ranks = tuple(members(group))
+    assert t.calls == [(name, ranks, nbytes) for name, nbytes in comms if len(ranks) > 1], (op, t.calls)
+
+
+def mappings(groups, device):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    X = [ints(s, BATCH, SEQ, HIDDEN, device=device) for s in range(world)]         # rank s's own input
+    DY = [ints(100 + s, BATCH, SEQ, HIDDEN, device=device) for s in range(world)]  # rank s's own output grad
+    A, B = ints(1000, BATCH, SEQ, HIDDEN, device=device), ints(1001, BATCH, SEQ, HIDDEN, device=device)  # alike
+    x, dy = X[rank], DY[rank]
+    for group in groups:
+        ranks = members(group)
+        sum_x, sum_dy = sum(X[s] for s in ranks), sum(DY[s] for s in ranks)
+        feat, seq = (lambda t: part(t, -1, group)), (lambda t: part(t, SEQ_DIM, group))
+        every = lambda T, dim: torch.cat([part(T[s], dim, group, s) for s in ranks], dim)  # member s's slice s
+        cases = (
+                # f: A -> A;  backward: DY[r] -> the group's sum
+                (copy_to_tensor_model_parallel_region, A, dy, A, sum_dy, (True, False), [("all_reduce", dy)]),
+                # g: X[r] -> the group's sum;  backward: B -> B
+                (reduce_from_tensor_model_parallel_region, x, B, sum_x, B, (False, True), [("all_reduce", x)]),
+                # scatter: A -> A's slice r of the last dim;  backward: DY[r]'s slice r -> every member's, joined
+                (scatter_to_tensor_model_parallel_region, A, feat(dy), feat(A), every(DY, -1), (True, False),
+                 [("all_gather", feat(dy))]),
+                # gather: X[r]'s slice r -> every member's, joined;  backward: B -> B's slice r
+                (gather_from_tensor_model_parallel_region, feat(x), B, every(X, -1), feat(B), (False, True),
+                 [("all_gather", feat(x))]),
+                # SP gather: X[r]'s part r of the sequence -> every member's, joined;  backward: DY[r] -> part r
+                # of the group's sum
+                (gather_from_sequence_parallel_region, seq(x), dy, every(X, SEQ_DIM), seq(sum_dy), (False, False),
+                 [("all_gather", seq(x)), ("reduce_scatter", dy)]),
+                # SP reduce-scatter: X[r] -> part r of the group's sum;  backward: DY[r]'s part r -> every
+                # member's, joined
+                (reduce_scatter_to_sequence_parallel_region, x, seq(dy), seq(sum_x), every(DY, SEQ_DIM),
+                 (False, False), [("reduce_scatter", x), ("all_gather", seq(dy))]))
+        for op, x_in, dy_in, want_y, want_dx, replicated, comms in cases:
+            check_op(op, group, x_in, dy_in, want_y, want_dx, replicated, [(n, t.nbytes) for n, t in comms])
+    log("f, g, scatter, gather, and SP's gather and reduce-scatter along s: forward and backward == closed forms")
+    log("each passes <op(x), dy> == <x, op_backward(dy)>, a replicated tensor's inner product counted once")
+    log("each issues its collective(s) on its group, handing in the tensor its docstring names (traffic())")
+
+
+def check_grads(layers_and_dense_grads, group):
+    """Each layer's weight and bias grads == its slice of the dense layer's (the row bias: whole)."""
     for layer, weight_grad, bias_grad in layers_and_dense_grads:
-        for param, want in zip(layer.parameters(), layer.shard(weight_grad, bias_grad)):
-            torch.testing.assert_close(param.grad, want)
+        torch.testing.assert_close(layer.weight.grad, part(weight_grad, layer.weight_dim, group))
+        torch.testing.assert_close(layer.bias.grad, part(bias_grad, 0, group) if layer.weight_dim == 0 else bias_grad)
 
 
-def check_against_dense(dense_fn, parallel, x, dy, comms, dense_grads):
-    """Forward, then backward from dy: outputs, input grads and grad shards (dense_grads() lists them after the
-    backward) equal; the collectives counted in the parallel forward and backward == comms."""
-    from torch.distributed.tensor.debug import CommDebugMode  # a slow import, so only when the demo runs
-    x_p, x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with CommDebugMode() as fwd:
+def check_against_dense(dense_fn, parallel, x, dy, group, dense_grads, x_dim=None, y_dim=None):
+    """Forward, then backward from dy: the output, the input grad and every (layer, dense weight grad, dense bias
+    grad) in dense_grads() == dense, sharded as the layer holds it. x_dim / y_dim: the dim along which the
+    parallel input / output is this rank's slice (None: whole). Returns traffic() of the parallel step."""
+    cut = lambda t, dim: t if dim is None else part(t, dim, group)
+    x_p, x = leaf(cut(x, x_dim)), leaf(x)
+    with traffic() as t:
         y_p = parallel(x_p)
-    with CommDebugMode() as bwd:
-        y_p.backward(dy)
+        y_p.backward(cut(dy, y_dim))
+    allreduce_sequence_parallel_grads(parallel, group)
     y = dense_fn(x)
     y.backward(dy)
-    torch.testing.assert_close(y_p, y)
-    torch.testing.assert_close(x_p.grad, x.grad)
-    check_grads(*dense_grads())
-    counts = dict(fwd.get_comm_counts()), dict(bwd.get_comm_counts())
-    assert counts == comms, counts
+    torch.testing.assert_close(y_p, cut(y, y_dim))
+    torch.testing.assert_close(x_p.grad, cut(x.grad, x_dim))
+    check_grads(dense_grads(), group)
+    assert all(ranks == tuple(members(group)) for _, ranks, _ in t.calls), t.calls
+    return t
 
 
-def check_op(op, x, dy, want_y, want_dx, x_replicated, y_replicated):
-    """op's forward and backward values, then the adjoint test <op(x), dy> == <x, op_backward(dy)>: a replicated
-    tensor is ONE value, its inner product counted once; a sharded or partial-sum tensor's sums over the ranks."""
-    x = x.clone().requires_grad_()
-    y = op(x)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    assert torch.equal(y, want_y) and torch.equal(dx, want_dx), op
-    inner = [(a * b).sum().detach() for a, b in ((y, dy), (x, dx))]
-    for s, replicated in zip(inner, (y_replicated, x_replicated)):
-        if not replicated:
-            dist.all_reduce(s)
-    assert torch.equal(*inner), (op, inner)
+def names(t):
+    return [name for name, _, _ in t.calls]
 
 
-def main():
-    from common import finish, head, launched_world_size, log, log_all, refuse, setup
-    W = launched_world_size()
-    if HEADS % W:
-        refuse(f"{W} ranks: {HEADS} heads, hidden {HIDDEN} and ffn {FFN} split over 1, 2, 4 or 8 ranks only")
-    rank, world, device = setup()
-    f64 = dict(device=device, dtype=torch.float64)
-    randint = lambda seed, *shape: torch.randint(-9, 10, shape, generator=torch.Generator().manual_seed(seed),
-                                                 dtype=torch.float64).to(device)  # the same on every rank
-    mine = lambda t, r=rank: t.chunk(world, -1)[r]                       # rank r's slice of the last dim
-    once = lambda op, p=world: {op: 1} if p > 1 else {}                 # a group of one rank sends nothing
-    mlp_grads = lambda p_mlp, mlp: [(p, d.weight.grad, d.bias.grad) for p, d in zip(p_mlp[::2], mlp[::2])]
-
-    head(f"the four mappings, p = {world}: values and the adjoint test, exact in float64")
-    X = [randint(s, BATCH, SEQ, HIDDEN) for s in range(world)]            # rank s's own input
-    DY = [randint(100 + s, BATCH, SEQ, HIDDEN) for s in range(world)]     # rank s's own output gradient
-    A, B = randint(1000, BATCH, SEQ, HIDDEN), randint(1001, BATCH, SEQ, HIDDEN)  # replicated
-    # f:       rank r holds A               -> A                backward: DY[r] -> sum_s DY[s]
-    check_op(copy_to_tensor_model_parallel_region, A, DY[rank], A, sum(DY), True, False)
-    # g:       rank r holds X[r]            -> sum_s X[s]       backward: B -> B
-    check_op(reduce_from_tensor_model_parallel_region, X[rank], B, sum(X), B, False, True)
-    # scatter: rank r holds A               -> A's slice r      backward: DY[r]'s slice r -> every rank's, joined
-    check_op(scatter_to_tensor_model_parallel_region, A, mine(DY[rank]), mine(A),
-             torch.cat([mine(DY[s], s) for s in range(world)], -1), True, False)
-    # gather:  rank r holds X[r]'s slice r  -> every rank's, joined      backward: B -> B's slice r
-    check_op(gather_from_tensor_model_parallel_region, mine(X[rank]), B,
-             torch.cat([mine(X[s], s) for s in range(world)], -1), mine(B), False, True)
-    log("f, g, scatter, gather: forward and backward equal their closed forms on rank-dependent inputs")
-    log("each passes <op(x), dy> == <x, op_backward(dy)>, a replicated tensor's inner product counted once")
-
-    head("ColumnParallelLinear and RowParallelLinear against nn.Linear")
+def check_layers(groups, device, cases):
+    """cases: (class, options, x_dim, y_dim, the collectives issued forward then backward), each from_dense of one
+    nn.Linear, checked against it on the world and on the strided groups."""
     torch.manual_seed(1)
-    dense, x, dy = nn.Linear(HIDDEN, FFN, **f64), randint(2, BATCH, SEQ, HIDDEN), randint(3, BATCH, SEQ, FFN)
-    for cls, options, comms in ((ColumnParallelLinear, {"gather_output": True}, (ALLGATHER, ALLREDUCE)),
-                                (RowParallelLinear, {"input_is_parallel": False}, (ALLREDUCE, ALLGATHER))):
-        dense.zero_grad()
-        layer = cls.from_dense(dense, **options)
-        check_against_dense(dense, layer, x, dy, tuple(map(once, comms)),
-                            lambda: [(layer, dense.weight.grad, dense.bias.grad)])
+    dense = nn.Linear(HIDDEN, FFN, device=device, dtype=F64)
+    x, dy = ints(2, BATCH, SEQ, HIDDEN, device=device), ints(3, BATCH, SEQ, FFN, device=device)
+    for group in groups:
+        for cls, options, x_dim, y_dim, comms in cases:
+            dense.zero_grad()
+            layer = cls.from_dense(dense, group, **options)
+            t = check_against_dense(dense, layer, x, dy, group, lambda: [(layer, dense.weight.grad, dense.bias.grad)],
+                                    x_dim, y_dim)
+            assert names(t) == (comms if dist.get_world_size(group) > 1 else []), (cls, options, t.calls)
+    return dense, x
+
+
+def linear_layers(groups, device):
+    dense, x = check_layers(groups, device, (
+        (ColumnParallelLinear, {"gather_output": True}, None, None, ["all_gather", "all_reduce"]),
+        (RowParallelLinear, {"input_is_parallel": False}, None, None, ["all_reduce", "all_gather"])))
     log("column (gather_output=True): output, input grad, grad shards == dense; all-gather fwd, all-reduce bwd")
     log("row (input_is_parallel=False): output, input grad, grad shards == dense; all-reduce fwd, all-gather bwd")
+    world = dist.get_world_size()
     row = RowParallelLinear.from_dense(dense)
-    bias_inside = _reduce(F.linear(mine(x), row.weight, row.bias), None)  # the bias added before g instead
+    bias_inside = _reduce(F.linear(part(x, -1, None), row.weight, row.bias), None)  # the bias added before g
     torch.testing.assert_close(bias_inside - dense(x), (world - 1) * dense.bias.expand_as(bias_inside))
     log(f"the row layer adds its bias once, after the all-reduce; before it, the bias would count {world} times")
-    for cls, sizes, name in ((ColumnParallelLinear, (HIDDEN, world + 1), "out_features"),
-                             (RowParallelLinear, (world + 1, HIDDEN), "in_features")):
+    refusals(groups[0])
+
+
+def refusals(group):
+    """Sizes that do not divide by the group size: one clear ValueError line."""
+    world = dist.get_world_size(group)
+    for make, name in ((lambda: ColumnParallelLinear(HIDDEN, world + 1), f"out_features={world + 1}"),
+                       (lambda: RowParallelLinear(world + 1, HIDDEN), f"in_features={world + 1}"),
+                       (lambda: reduce_scatter_to_sequence_parallel_region(torch.zeros(1, world + 1, 1)),
+                        f"x.shape[{SEQ_DIM}]={world + 1}")):
         try:
-            cls(*sizes)
-            assert world == 1, f"{name}={world + 1} was accepted"  # on one rank every size divides
+            make()
+            assert world == 1, f"{name} was accepted"  # on one rank every size divides
         except ValueError as e:
-            assert str(e) == f"{name}={world + 1} is not divisible by the tensor-parallel size {world}", e
+            assert str(e) == f"{name} is not divisible by the tensor-parallel size {world}", e
             log(f"refused: ValueError('{e}')")
 
-    def check_block(name, dense_fn, dense, parallel, dense_grads):
-        """Output and every grad == dense; one all-reduce each way; each weight split p ways."""
-        x, dy = randint(4, BATCH, SEQ, HIDDEN), randint(5, BATCH, SEQ, HIDDEN)
-        check_against_dense(dense_fn, parallel, x, dy, (once(ALLREDUCE), once(ALLREDUCE)), dense_grads)
-        log(f"{name}: output, input grad and every weight and bias grad shard == dense")
-        log(f"{name}: CommDebugMode counts {world > 1:d} all-reduce forward (g), {world > 1:d} backward (f)")
-        per_rank, whole = (sum(t.nbytes for t in m.parameters()) for m in (parallel, dense))
-        bias = HIDDEN * torch.float64.itemsize  # the row layer's bias: the one parameter kept whole, not split
-        assert world * per_rank == whole + (world - 1) * bias, (per_rank, whole, bias)
-        log(f"{name}: {per_rank} parameter bytes per rank = ({whole} - {bias}) / {world} + {bias}: "
-            f"all split but the row bias, whole on every rank")
 
-    head(f"parallel MLP, p = {world}: column -> GeLU -> row, against nn.Sequential")
-    torch.manual_seed(2)
-    mlp = nn.Sequential(nn.Linear(HIDDEN, FFN, **f64), nn.GELU(), nn.Linear(FFN, HIDDEN, **f64))
-    p_mlp = parallel_mlp(mlp)
-    check_block("MLP", mlp, mlp, p_mlp, lambda: mlp_grads(p_mlp, mlp))
+def dense_blocks(seed, device, dtype=F64):
+    """An MLP and a causal nn.MultiheadAttention, each as (module, its forward, grads: parallel -> [(layer,
+    dense weight grad, dense bias grad)]), and their parallel versions as make(module, group, sp)."""
+    torch.manual_seed(seed)
+    mlp = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN)).to(device, dtype)
+    mha = nn.MultiheadAttention(HIDDEN, HEADS, batch_first=True, device=device, dtype=dtype)
+    causal = nn.Transformer.generate_square_subsequent_mask(SEQ, device=device, dtype=dtype)
+    mlp_grads = lambda par: [(par[0], mlp[0].weight.grad, mlp[0].bias.grad), (par[2], mlp[2].weight.grad,
+                                                                              mlp[2].bias.grad)]
+    attn_grads = lambda par: [(par.qkv, head_major(mha.in_proj_weight.grad, HEADS),
+                               head_major(mha.in_proj_bias.grad, HEADS)),
+                              (par.proj, mha.out_proj.weight.grad, mha.out_proj.bias.grad)]
+    return {"MLP": (mlp, mlp, mlp_grads, parallel_mlp),
+            "attention": (mha, lambda x: mha(x, x, x, need_weights=False, attn_mask=causal, is_causal=True)[0],
+                          attn_grads, ParallelSelfAttention.from_dense)}
 
-    head(f"parallel self-attention: {HEADS} heads, {HEADS // world} per rank, against nn.MultiheadAttention")
-    torch.manual_seed(3)
-    mha = nn.MultiheadAttention(HIDDEN, HEADS, batch_first=True, **f64)
-    causal = nn.Transformer.generate_square_subsequent_mask(SEQ, **f64)
-    p_attn = ParallelSelfAttention.from_dense(mha)
-    check_block("attention", lambda x: mha(x, x, x, need_weights=False, attn_mask=causal, is_causal=True)[0],
-                mha, p_attn, lambda: [(p_attn.qkv, head_major(mha.in_proj_weight.grad, HEADS),
-                                       head_major(mha.in_proj_bias.grad, HEADS)),
-                                      (p_attn.proj, mha.out_proj.weight.grad, mha.out_proj.bias.grad)])
 
-    head("TP inside a 2-D grid: TP x DP process groups from dist.new_group")
+
+def mlp_and_attention(groups, device, sp=False):
+    """Each block == dense on the world and on the strided groups, its collectives counted: one all-reduce each
+    way (SP: an all-gather and a reduce-scatter each way), the same bytes on the wire: 2 (p-1)/p V each way."""
+    x, dy = ints(4, BATCH, SEQ, HIDDEN, device=device), ints(5, BATCH, SEQ, HIDDEN, device=device)
+    V = x.numel() * x.element_size()
+    seq_dim = SEQ_DIM if sp else None
+    comms = ["all_gather", "reduce_scatter"] * 2 if sp else ["all_reduce"] * 2
+    for name, (dense, dense_fn, grads, make) in dense_blocks(2, device).items():
+        for group in groups:
+            p = dist.get_world_size(group)
+            dense.zero_grad()
+            par = make(dense, group, sequence_parallel=sp)
+            t = check_against_dense(dense_fn, par, x, dy, group, lambda: grads(par), seq_dim, seq_dim)
+            assert names(t) == (comms if p > 1 else []) and wire(t, p) == 4 * (p - 1) * V / p, (name, t.calls)
+            if group is not None:
+                continue
+            kind = "an all-gather and a reduce-scatter" if sp else "one all-reduce"
+            log(f"{name}: output, input grad and every weight and bias grad shard == dense; {kind} each way, "
+                f"{wire(t, p) / 2:g} bytes on the wire each way = 2 ({p}-1)/{p} * {V}")
+            per_rank, whole = (sum(t.nbytes for t in m.parameters()) for m in (par, dense))
+            bias = HIDDEN * F64.itemsize  # the row layer's bias: the one parameter kept whole, not split
+            assert p * per_rank == whole + (p - 1) * bias, (per_rank, whole, bias)
+            if not sp:
+                log(f"{name}: {per_rank} parameter bytes per rank = ({whole} - {bias}) / {p} + {bias}: "
+                    f"all split but the row bias, whole on every rank")
+
+
+def sequence_parallel(groups, device):
+    check_layers(groups, device, (
+        (ColumnParallelLinear, {"sequence_parallel": True}, SEQ_DIM, -1, ["all_gather", "reduce_scatter"]),
+        (RowParallelLinear, {"sequence_parallel": True}, -1, SEQ_DIM, ["reduce_scatter", "all_gather"])))
+    log("column [b, s/p, in] -> [b, s, out/p]: all-gathers s forward, reduce-scatters its input grad backward")
+    log("row [b, s, in/p] -> [b, s/p, out]: reduce-scatters s forward, all-gathers backward; both == nn.Linear")
+    log("the row bias grad covers this rank's part of s: allreduce_sequence_parallel_grads sums it == dense")
+    mlp_and_attention(groups, device, sp=True)
+
+
+BF16_RTOL, BF16_ATOL = 2 ** -6, 2 ** -6
+
+
+def bfloat16(groups, device):
+    """The blocks in bf16 against the same dense modules in bf16."""
+    x, dy = (torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(s)).to(device, torch.bfloat16)
+             for s in (6, 7))
+    for name, (dense, dense_fn, grads, make) in dense_blocks(3, device, torch.bfloat16).items():
+        for group in groups:
+            for sp in (False, True):
+                dense.zero_grad()
+                par = make(dense, group, sequence_parallel=sp)
+                cut = (lambda t: part(t, SEQ_DIM, group)) if sp else (lambda t: t)
+                x_p, x_d = leaf(cut(x)), leaf(x)
+                y_p = par(x_p)
+                y_p.backward(cut(dy))
+                y = dense_fn(x_d)
+                y.backward(dy)
+                for got, want in [(y_p, y), (x_p.grad, x_d.grad)]:
+                    torch.testing.assert_close(got, cut(want), rtol=BF16_RTOL, atol=BF16_ATOL)
+    log(f"MLP and attention, TP and SP, in bf16: output and input grad == the dense bf16 modules' within "
+        f"rtol = atol = {BF16_RTOL}")
+
+
+def tp_dp_grid(device):
+    world, rank = dist.get_world_size(), dist.get_rank()
     tp = world // 2 if world >= 4 else world
     dp, dp_rank = world // tp, rank // tp
     tp_group, dp_group = tp_dp_groups(tp)
     log(f"{world} ranks -> TP {tp} x DP {dp}: a TP group is consecutive ranks (one node), a DP group strided")
-    members = [dist.get_process_group_ranks(g) for g in (tp_group, dp_group)]
-    assert members == [[dp_rank * tp + t for t in range(tp)], [d * tp + rank % tp for d in range(dp)]], members
-    log_all(f"TP group {members[0]}, DP group {members[1]}")
-    sums = [_reduce(torch.tensor([2.0 ** rank], **f64), g).item() for g in (tp_group, dp_group)]  # same tensor
-    assert sums == [sum(2.0 ** r for r in ranks) for ranks in members], sums
-    assert (sums[0] != sums[1]) == (world > 1), sums
+    members_ = [members(g) for g in (tp_group, dp_group)]
+    assert members_ == [[dp_rank * tp + t for t in range(tp)], [d * tp + rank % tp for d in range(dp)]], members_
+    log_all(f"TP group {members_[0]}, DP group {members_[1]}")
+    sums = [_reduce(torch.tensor([2.0 ** rank], device=device, dtype=F64), g).item() for g in (tp_group, dp_group)]
+    assert sums == [sum(2.0 ** r for r in ranks) for ranks in members_], sums
     log(f"2**rank all-reduced on rank 0: {sums[0]:g} over its TP group, {sums[1]:g} over its DP group")
     # each DP replica feeds its own micro-batch to an MLP split over its own TP group
-    torch.manual_seed(4)
-    mlp = nn.Sequential(nn.Linear(HIDDEN, FFN, **f64), nn.GELU(), nn.Linear(FFN, HIDDEN, **f64))
+    mlp, _, grads, _ = dense_blocks(4, device)["MLP"]
     p_mlp = parallel_mlp(mlp, group=tp_group)
-    xs = [randint(10 + d, BATCH, SEQ, HIDDEN) for d in range(dp)]
-    dys = [randint(20 + d, BATCH, SEQ, HIDDEN) for d in range(dp)]
-    check_against_dense(mlp, p_mlp, xs[dp_rank], dys[dp_rank], (once(ALLREDUCE, tp),) * 2,
-                        lambda: mlp_grads(p_mlp, mlp))  # so g summed inside this TP group only
+    xs = [ints(10 + d, BATCH, SEQ, HIDDEN, device=device) for d in range(dp)]
+    dys = [ints(20 + d, BATCH, SEQ, HIDDEN, device=device) for d in range(dp)]
+    check_against_dense(mlp, p_mlp, xs[dp_rank], dys[dp_rank], tp_group, lambda: grads(p_mlp))  # g: TP group only
     for p in p_mlp.parameters():                                # DP: average each grad shard over the replicas
         dist.all_reduce(p.grad, group=dp_group)
         p.grad /= dp
     mlp.zero_grad()
     (sum((mlp(x) * dy).sum() for x, dy in zip(xs, dys)) / dp).backward()  # dense: all micro-batches at once
-    check_grads(*mlp_grads(p_mlp, mlp))
+    check_grads(grads(p_mlp), tp_group)
     log(f"TP MLP == dense on its replica's micro-batch; DP-averaged grad shards == dense over the {dp} micro-batches")
-    finish(f"f/g/scatter/gather, column/row layers, MLP, attention == dense at TP={world}; TP {tp} x DP {dp}")
+    return tp, dp
+
+
+def main():
+    W = launched_world_size()
+    if HEADS % W:
+        refuse(f"{W} ranks: {HEADS} heads, hidden {HIDDEN}, ffn {FFN} and sequence {SEQ} split over 1, 2, 4 or 8 "
+               f"ranks only")
+    _, world, device = setup()
+    groups = (None, strided_group())   # the world, and a group whose group rank is not the global rank
+    strided = [list(range(start, world, 2)) for start in range(min(world, 2))]
+    head(f"the six mappings, p = {world} and on the strided groups {strided}: exact in float64")
+    mappings(groups, device)
+    head("ColumnParallelLinear and RowParallelLinear against nn.Linear, on the world and the strided groups")
+    linear_layers(groups, device)
+    head(f"parallel MLP (column -> GeLU -> row) and self-attention ({HEADS} heads, {HEADS // world} per rank)")
+    mlp_and_attention(groups, device)
+    head(f"sequence parallelism: activations split along s (dim {SEQ_DIM}) between blocks")
+    sequence_parallel(groups, device)
+    head("bf16")
+    bfloat16(groups, device)
+    head("TP inside a 2-D grid: TP x DP process groups from dist.new_group")
+    tp, dp = tp_dp_grid(device)
+    finish(f"f/g/scatter/gather and the SP pair, column/row layers, MLP, attention (TP and SP) == dense at "
+           f"TP={world} and on sub-groups; bf16; TP {tp} x DP {dp}")
 
 
 if __name__ == "__main__":
