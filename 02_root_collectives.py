@@ -30,16 +30,15 @@ Flat, the root's link carries W-1 times what any other rank's does: the bottlene
 root's load to one message per round, ceil(log2 W) rounds; the ring all-reduce of lesson 03 spreads the load
 evenly, 2(W-1)/W V on every rank.
 
+Roots (src, dst) are global ranks, as torch.distributed takes them, also when `group` is a sub-group.
+
 Run:  torchrun --nproc-per-node=4 02_root_collectives.py
 """
-import contextlib
-import math
-
 import torch
 import torch.distributed as dist
 
 
-# ---- building blocks --------------------------------------------------------------------------------------
+# ---- building blocks: paste from here to the demo marker (they need only torch) ----------------------------
 def _group_rank(group, global_rank):
     return global_rank if group is None else dist.get_group_rank(group, global_rank)
 
@@ -49,29 +48,35 @@ def _global(group, group_rank):
 
 
 def broadcast_module(module, src=0, group=None):
-    """Overwrite every parameter and buffer with the src rank's (global rank), as DDP does at construction."""
+    """Overwrite every parameter and buffer with the src rank's, as DDP does at construction."""
     with torch.no_grad():
         for t in module.state_dict().values():
-            dist.broadcast(t, src, group=group)
+            buf = t.contiguous()
+            dist.broadcast(buf, src, group=group)
+            if buf is not t:                           # a strided parameter or buffer: write the result back
+                t.copy_(buf)
 
 
 def scatter_along_dim(full, out, dim, src=0, group=None):
-    """Slice i (along dim) of src's `full` lands in rank i's `out`; `full` is read on src only. Returns out."""
+    """Slice i (along dim) of src's `full` lands in group rank i's `out`; `full` is read on src only. Returns out."""
     n = dist.get_world_size(group)
+    buf = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     if dist.get_rank() != src:
-        dist.scatter(out, None, src, group=group)
-        return out
-    if full.shape[dim] % n:
-        raise ValueError(f"scatter: size {full.shape[dim]} of dim {dim} is not divisible by the group size {n}")
-    slices = [s.contiguous() for s in full.chunk(n, dim)]
-    if slices[0].shape != out.shape:
-        raise ValueError(f"scatter: a slice has shape {tuple(slices[0].shape)}, out has {tuple(out.shape)}")
-    dist.scatter(out, slices, src, group=group)
+        dist.scatter(buf, None, src, group=group)
+    else:
+        if full.shape[dim] % n:
+            raise ValueError(f"scatter: size {full.shape[dim]} of dim {dim} is not divisible by the group size {n}")
+        slices = [s.contiguous() for s in full.chunk(n, dim)]
+        if slices[0].shape != out.shape:
+            raise ValueError(f"scatter: a slice has shape {tuple(slices[0].shape)}, out has {tuple(out.shape)}")
+        dist.scatter(buf, slices, src, group=group)
+    if buf is not out:
+        out.copy_(buf)
     return out
 
 
 def gather_along_dim(x, dim, dst=0, group=None):
-    """Every rank's x concatenated along dim, in rank order, on dst (global rank); None elsewhere."""
+    """Every rank's x concatenated along dim, in group rank order, on dst; None elsewhere."""
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"gather: dim {dim} is out of range for a {x.dim()}-d tensor")
     x = x.contiguous()
@@ -84,9 +89,9 @@ def gather_along_dim(x, dim, dst=0, group=None):
 
 
 def reduce_to(x, dst=0, op=dist.ReduceOp.SUM, group=None):
-    """op over every rank's x, as a new tensor on dst (global rank); None elsewhere; x itself is untouched.
-    (dist.reduce works in place, and gloo leaves partial sums in the other ranks' buffers: measured.)"""
-    out = x.clone(memory_format=torch.contiguous_format)  # NCCL takes contiguous tensors only (gloo: dense)
+    """op over every rank's x, as a new tensor on dst; None elsewhere; x itself is untouched.
+    (dist.reduce works in place, and gloo leaves partial sums in the other ranks' buffers.)"""
+    out = x.clone(memory_format=torch.contiguous_format)
     dist.reduce(out, dst, op=op, group=group)
     return out if dist.get_rank() == dst else None
 
@@ -94,28 +99,30 @@ def reduce_to(x, dst=0, op=dist.ReduceOp.SUM, group=None):
 def broadcast_flat(x, src=0, group=None):
     """dist.broadcast by hand, the naive way: src sends x to every other rank in turn. In place; returns x."""
     me, n, root = dist.get_rank(group), dist.get_world_size(group), _group_rank(group, src)
+    buf = x.contiguous()
     if me != root:
-        dist.recv(x, src, group=group)
+        dist.recv(buf, src, group=group)
     else:
         for r in range(n):
             if r != root:
-                dist.send(x, _global(group, r), group=group)
-    return x
+                dist.send(buf, _global(group, r), group=group)
+    return x if buf is x else x.copy_(buf)
 
 
 def reduce_flat(x, dst=0, group=None):
     """dist.reduce (SUM) by hand, the naive way: every other rank sends x to dst, which adds each one in.
     In place: x on dst becomes the sum, elsewhere it is left as it was; returns x."""
     me, n, root = dist.get_rank(group), dist.get_world_size(group), _group_rank(group, dst)
+    buf = x.contiguous()
     if me != root:
-        dist.send(x, dst, group=group)
+        dist.send(buf, dst, group=group)
     else:
-        buf = torch.empty_like(x)
+        incoming = torch.empty_like(buf)
         for r in range(n):
             if r != root:
-                dist.recv(buf, _global(group, r), group=group)
-                x += buf
-    return x
+                dist.recv(incoming, _global(group, r), group=group)
+                buf += incoming
+    return x if buf is x else x.copy_(buf)
 
 
 def binomial_tree(me, n, root=0):
@@ -138,9 +145,10 @@ def binomial_tree(me, n, root=0):
 def broadcast_binomial(x, src=0, group=None):
     """dist.broadcast by hand along binomial_tree: the root sends ceil(log2 n) times, not n-1. In place; returns x."""
     me, n, root = dist.get_rank(group), dist.get_world_size(group), _group_rank(group, src)
+    buf = x.contiguous()
     for kind, peer in binomial_tree(me, n, root):
-        (dist.send if kind == "send" else dist.recv)(x, _global(group, peer), group=group)
-    return x
+        (dist.send if kind == "send" else dist.recv)(buf, _global(group, peer), group=group)
+    return x if buf is x else x.copy_(buf)
 
 
 def reduce_binomial(x, dst=0, group=None):
@@ -148,171 +156,218 @@ def reduce_binomial(x, dst=0, group=None):
     partial sums into x, then sends x to its parent. In place: x on dst becomes the sum (elsewhere, a partial
     sum); returns x."""
     me, n, root = dist.get_rank(group), dist.get_world_size(group), _group_rank(group, dst)
-    buf = torch.empty_like(x)
+    buf = x.contiguous()
+    incoming = torch.empty_like(buf)
     for kind, peer in reversed(binomial_tree(me, n, root)):
         if kind == "send":                             # a child: receive its partial sum and add it in
-            dist.recv(buf, _global(group, peer), group=group)
-            x += buf
+            dist.recv(incoming, _global(group, peer), group=group)
+            buf += incoming
         else:                                          # my parent: send it my partial sum
-            dist.send(x, _global(group, peer), group=group)
-    return x
+            dist.send(buf, _global(group, peer), group=group)
+    return x if buf is x else x.copy_(buf)
 
 
-# ---- demo ---------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def p2p_bytes():
-    """Count the bytes dist.send and dist.recv move on this rank inside the block: {"send": B, "recv": B}.
-    CommDebugMode counts collectives but not send/recv, so the demo wraps these two for the block's duration."""
-    moved, originals = {"send": 0, "recv": 0}, {"send": dist.send, "recv": dist.recv}
+# ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+try:
+    from common import finish, head, log, log_all, setup, traffic
+except ImportError:  # the blocks above, imported alone where common.py is absent
+    pass
 
-    def counting(name):
-        def call(tensor, *args, **kwargs):
-            moved[name] += tensor.nbytes
-            return originals[name](tensor, *args, **kwargs)
-        return call
-
-    dist.send, dist.recv = counting("send"), counting("recv")
-    try:
-        yield moved
-    finally:
-        dist.send, dist.recv = originals["send"], originals["recv"]
+F64 = torch.float64
 
 
-def main():
-    from common import setup, finish, log, log_all, head
-    rank, W, device = setup()
-    f64 = dict(dtype=torch.float64, device=device)
-    ints = lambda *shape, lo=-9, hi=10: torch.randint(lo, hi, shape, device=device).double()  # exact in float64
-    ceil_log2 = lambda n: math.ceil(math.log2(n))
+def cases(W):
+    """(group, its global ranks, root) to run every block on, the same list on every rank: the world rooted at 0
+    and at W-1; the strided groups {0, 2, ..} and {1, 3, ..} rooted at their last rank (group rank != global
+    rank); from W = 4 the first W-1 ranks (not a power of two) rooted at W-2. Every rank makes every group."""
+    world, strided = list(range(W)), [list(range(p, W, 2)) for p in range(min(W, 2))]
+    out = [(None, world, 0)] + ([(None, world, W - 1)] if W > 1 else [])
+    out += [(dist.new_group(r), r, r[-1]) for r in strided]
+    out += [(dist.new_group(world[:-1]), world[:-1], W - 2)] if W >= 4 else []
+    return out
 
-    def everywhere(value):                             # the sum over ranks of a number, on every rank
-        t = torch.tensor([float(value)], **f64)
-        dist.all_reduce(t)
-        return t
 
-    head("1. broadcast: rank 0's checkpoint to every rank")
-    H = 8
+def ints(seed, *shape, device):
+    """Integer-valued float64 (sums are exact in any order), the same on every rank for the same seed."""
+    return torch.randint(-9, 10, shape, generator=torch.Generator().manual_seed(seed)).to(device, F64)
 
-    def model(seed):                                   # a tiny model whose weights and buffer depend on `seed`
-        m, g = torch.nn.Linear(H, H, **f64), torch.Generator().manual_seed(seed)
-        m.register_buffer("step", torch.full((1,), float(seed), **f64))
-        with torch.no_grad():
-            for p in m.parameters():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
-        return m
 
-    mine, ckpt = model(seed=100 + rank), model(seed=100)  # every rank starts different; ckpt = rank 0's state
-    same = lambda: all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), ckpt.state_dict().values()))
-    assert same() == (rank == 0)
-    broadcast_module(mine, src=0)
-    assert same()
-    V = sum(t.nbytes for t in mine.state_dict().values())
-    log(f"every rank holds rank 0's weights and buffer ({V} B), bit for bit; before, only rank 0 did")
+def on(t, members, **counts):
+    """The traffic `t` was exactly these calls, each on the group of `members`."""
+    assert dict(t.counts) == {k: v for k, v in counts.items() if v}, (dict(t.counts), counts)
+    assert all(ranks == tuple(members) for _, ranks, _ in t.calls), t.calls
 
-    head("2. scatter: rank i gets slice i of the root's tensor")
-    full = torch.arange(2 * W * 3, **f64).reshape(2 * W, 3)  # [2W, 3], on every rank; read on the root only
-    part = scatter_along_dim(full if rank == 0 else None, torch.empty(2, 3, **f64), dim=0)  # [2, 3]
-    assert torch.equal(part, full[2 * rank:2 * rank + 2])  # rank i => rows 2i, 2i+1
-    log_all(f"rows {2 * rank}..{2 * rank + 1}: {part.flatten().tolist()}")
-    root_sends = sum(s.nbytes for i, s in enumerate(full.chunk(W)) if i != 0)
-    assert root_sends == (W - 1) * full.nbytes // W and part.nbytes == full.nbytes // W
-    log(f"the root must send the W-1 other slices, (W-1)/W V = {root_sends} B of V = {full.nbytes} B; every other"
-        f" rank receives V/W = {part.nbytes} B")
 
-    head("3. gather along the last dim: vocab-sharded logits to rank 0")
-    B, S, v = 2, 3, 4                                      # rank r holds logits[..., r*v:(r+1)*v]
-    logits = torch.arange(B * S * v * W, **f64).reshape(B, S, v * W)  # [B, S, vocab], the reference
-    shard = logits[..., rank * v:(rank + 1) * v]       # [B, S, v]
-    got = gather_along_dim(shard, dim=-1)
-    if rank == 0:
-        assert got.shape == (B, S, v * W) and torch.equal(got, logits)
-        assert got.nbytes - shard.nbytes == (W - 1) * logits.nbytes // W  # what arrived from the others
-    else:
-        assert got is None
-    assert torch.equal(shard, logits[..., rank * v:(rank + 1) * v])  # the input is untouched
-    log(f"rank 0 holds [{B}, {S}, {v * W}] == the full logits, the others None; the root must receive the W-1 "
-        f"other shards, (W-1)/W V = {(W - 1) * logits.nbytes // W} B; every other rank sends V/W = {shard.nbytes} B")
+def _all_reduce(t, group):
+    dist.all_reduce(t, group=group)                    # PyTorch's own sum over the group: the reference
+    return t
 
-    head("4. reduce with SUM and MAX to rank 0: collecting the loss")
-    token_losses = [torch.rand(r + 1, **f64) * 4 for r in range(W)]  # rank r has r+1 tokens: counts differ
-    my_losses = token_losses[rank]
-    total = reduce_to(torch.stack([my_losses.sum(), torch.tensor(my_losses.numel(), **f64)]), dst=0)  # [sum, n]
-    worst = reduce_to(my_losses.max(), dst=0, op=dist.ReduceOp.MAX)
-    every = torch.cat(token_losses)                    # reference: all tokens in one process
-    if rank == 0:
-        torch.testing.assert_close(total[0] / total[1], every.mean())
-        assert torch.equal(worst, every.max()) and total[1] == every.numel()
-    else:
-        assert total is None and worst is None
-    mean_of_means = torch.stack([t.mean() for t in token_losses]).mean()
-    assert W == 1 or not torch.isclose(mean_of_means, every.mean())
-    log(f"rank 0: loss per token = sum/count = {every.mean():.4f} over {every.numel()} tokens, max {every.max():.4f};"
-        f" the others None")
-    log(f"reduce [sum, count], not the mean: the mean of per-rank means ({mean_of_means:.4f}) weights ranks, "
-        f"not tokens")
 
+def model(seed, device, H=8):
+    """A tiny model whose weights and buffers depend on `seed`; one buffer is stored transposed (not contiguous)."""
+    m, g = torch.nn.Linear(H, H, dtype=F64, device=device), torch.Generator().manual_seed(seed)
+    m.register_buffer("step", torch.zeros(1, dtype=F64, device=device))
+    m.register_buffer("proj", torch.zeros(H, 3, dtype=F64, device=device).T)  # [3, H], column-major
+    with torch.no_grad():
+        for t in m.state_dict().values():
+            t.copy_(torch.randn(t.shape, generator=g, dtype=F64))
+    return m
+
+
+def broadcast_section(rank, device, todo):
+    head("1. broadcast: the root's checkpoint to every rank")
+    for _, group, members, root in todo:
+        mine, ckpt = model(100 + rank, device), model(100 + root, device)  # every rank different; ckpt = root's
+        same = lambda: all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), ckpt.state_dict().values()))
+        assert same() == (rank == root)
+        with traffic() as t:
+            broadcast_module(mine, src=root, group=group)
+        assert same() and not mine.proj.is_contiguous()   # written back into the strided buffer, in place
+        V = sum(s.nbytes for s in mine.state_dict().values())
+        on(t, members, broadcast=len(mine.state_dict()))
+        assert t.bytes["broadcast"] == V
+    log(f"every rank holds the root's weights and buffers ({V} B), bit for bit; before, only the root did; "
+        f"roots 0 and W-1 of the world, the last rank of each sub-group")
+
+
+def scatter_section(rank, device, todo):
+    head("2. scatter: rank i gets slice i of the root's tensor, along dim 0 and along dim 1")
+    for _, group, members, root in todo:
+        n, i = len(members), members.index(rank)
+        rows = torch.arange(2 * n * 3, dtype=F64, device=device).reshape(2 * n, 3) + 1000 * root  # [2n, 3]
+        for dim, full, out in ((0, rows, torch.empty(2, 3, dtype=F64, device=device)),
+                               (1, rows.T, torch.empty(2, 3, dtype=F64, device=device).T)):  # [3, 2n], [3, 2]: views
+            with traffic() as t:
+                part = scatter_along_dim(full if rank == root else None, out, dim, src=root, group=group)
+            assert part is out and torch.equal(out, full.narrow(dim, 2 * i, 2))   # slice i: elements 2i, 2i+1
+            on(t, members, scatter=1)
+            assert t.bytes["scatter"] == (rank == root) * full.nbytes  # the root hands in all n slices, V
+        if group is None and root == 0:
+            log_all(f"rows {2 * i}..{2 * i + 1}: {rows[2 * i:2 * i + 2].flatten().tolist()}")
+            V, sent = rows.nbytes, rows.nbytes - out.nbytes   # the root keeps its own slice
+    log(f"the root hands in V = {V} B, keeps its slice, sends (W-1)/W V = {sent} B; every other rank receives "
+        f"V/W = {V - sent} B; also the transposed (non-contiguous) tensor along dim 1")
+
+
+def gather_section(rank, device, todo, B=2, S=3, v=4):
+    head("3. gather along a dim: vocab-sharded logits (last dim), sequence-sharded hidden states (dim 1)")
+    for _, group, members, root in todo:
+        n, i = len(members), members.index(rank)
+        full = torch.arange(B * S * n * v, dtype=F64, device=device).reshape(B, S * n, v) + 1000 * root
+        for dim, whole in ((-1, full.reshape(B, S, n * v)), (1, full)):  # rank i's shard: a strided slice
+            shard = whole.narrow(dim, i * whole.shape[dim] // n, whole.shape[dim] // n)
+            with traffic() as t:
+                got = gather_along_dim(shard, dim, dst=root, group=group)
+            assert torch.equal(got, whole) if rank == root else got is None
+            on(t, members, gather=1)
+            assert t.bytes["gather"] == shard.nbytes == whole.nbytes // n    # every rank hands in V/W
+    log(f"the root holds the full [{B}, {S}, {v} * W] logits and [{B}, {S} * W, {v}] states, the others None; every "
+        f"rank sends its V/W shard ({shard.nbytes} B), the root receives the W-1 others")
+
+
+def reduce_section(rank, device, todo):
+    head("4. reduce with SUM and MAX to the root: collecting the loss")
+    for k, group, members, root in todo:
+        g = torch.Generator().manual_seed(k)
+        token_losses = [torch.rand(r + 1, generator=g, dtype=F64).to(device) * 4 for r in members]  # counts differ
+        mine = token_losses[members.index(rank)]
+        with traffic() as t:
+            total = reduce_to(torch.stack([mine.sum(), torch.tensor(float(mine.numel()), device=device)]), root,
+                              group=group)                                  # [sum, count], not the mean
+            worst = reduce_to(mine.max(), root, op=dist.ReduceOp.MAX, group=group)
+        every = torch.cat(token_losses)                                     # reference: all tokens in one process
+        if rank == root:
+            torch.testing.assert_close(total[0] / total[1], every.mean())
+            assert torch.equal(worst, every.max()) and total[1] == every.numel()
+        else:
+            assert total is None and worst is None
+        on(t, members, reduce=2)
+        assert t.bytes["reduce"] == 2 * 8 + 8
+    log("the root: loss per token = reduced sum / reduced count == the mean over every token, max == the max; "
+        "the others None")
+    log("reduce [sum, count], not each rank's mean: ranks hold different token counts")
+
+
+def transposes_section(rank, device, todo):
     head("5. transposed pairs: broadcast^T = reduce-sum, scatter^T = gather (the backward of each)")
-    x, y = ints(5), ints(5) + 10 * rank                # x is read on rank 0 only; y differs on every rank
-    bx, ry = x.clone(), reduce_to(y, dst=0)
-    dist.broadcast(bx, 0)
-    lhs, rhs = everywhere(bx @ y), everywhere(x @ ry if rank == 0 else 0)
-    assert torch.equal(lhs, rhs)                       # sum_r <broadcast(x), y_r> == <x, reduce(y)>
-    xs, ys = ints(2 * W), ints(2) + 10 * rank
-    sx, gy = scatter_along_dim(xs, torch.empty(2, **f64), dim=0), gather_along_dim(ys, dim=0)
-    assert torch.equal(everywhere(sx @ ys), everywhere(xs @ gy if rank == 0 else 0))
+    for k, group, members, root in todo:
+        n = len(members)
+        everywhere = lambda v: _all_reduce(torch.tensor([float(v)], dtype=F64, device=device), group)
+        x, y = ints(k, 5, device=device), (ints(k, 10, device=device) + 10 * rank)[::2]  # y: a strided view
+        bx, ry = x.clone(), reduce_to(y, dst=root, group=group)
+        dist.broadcast(bx, root, group=group)
+        lhs, rhs = everywhere(bx @ y), everywhere(x @ ry if rank == root else 0)
+        assert torch.equal(lhs, rhs)                      # sum_r <broadcast(x), y_r> == <x, reduce(y)>
+        xs, ys = ints(k, 2 * n, device=device), ints(k, 2, device=device) + 10 * rank
+        sx = scatter_along_dim(xs, torch.empty(2, dtype=F64, device=device), 0, src=root, group=group)
+        gy = gather_along_dim(ys, 0, dst=root, group=group)
+        lhs, rhs = everywhere(sx @ ys), everywhere(xs @ gy if rank == root else 0)
+        assert torch.equal(lhs, rhs)                      # sum_r <scatter(x)_r, y_r> == <x, gather(y)>
     log("sum over ranks <broadcast(x), y> == <x, reduce(y)>, <scatter(x), y> == <x, gather(y)>: exact")
     log("so in autograd: the gradient of a broadcast is the reduce-sum of the ranks' gradients, on the root")
 
-    head("6. broadcast and reduce by hand: flat vs binomial tree, bytes each rank sends and receives")
+
+def tree_plans():
     for n in range(1, 10):                             # the tree's plan, played for every size and root
         for root in range(n):
             plans = [binomial_tree(me, n, root) for me in range(n)]
             sends = sorted((me, peer) for me in range(n) for kind, peer in plans[me] if kind == "send")
             recvs = sorted((peer, me) for me in range(n) for kind, peer in plans[me] if kind == "recv")
             assert sends == recvs and sorted(b for _, b in sends) == [r for r in range(n) if r != root]
-            assert len(plans[root]) == ceil_log2(n)
+            assert len(plans[root]) == (n - 1).bit_length()  # ceil(log2 n)
             assert all(plans[me][0][0] == "recv" for me in range(n) if me != root)  # receive, then pass on
     log("tree played for 1..9 ranks, every root: each non-root receives once, before it sends; the root sends "
         "ceil(log2 n) times")
-    sub = dist.new_group(list(range(W - 1))) if W >= 4 else None  # W-1 ranks: not a power of two
-    cases = [(None, list(range(W)), 0)] + ([(None, list(range(W)), W - 1)] if W > 1 else [])
-    cases += [(sub, list(range(W - 1)), W - 2)] if sub is not None else []
+
+
+def by_hand_section(rank, device, todo):
+    head("6. broadcast and reduce by hand: flat vs binomial tree, bytes each rank sends and receives")
+    tree_plans()
     hand_built = (("broadcast", "flat", broadcast_flat), ("broadcast", "tree", broadcast_binomial),
                   ("reduce", "flat", reduce_flat), ("reduce", "tree", reduce_binomial))
-    for group, members, src in cases:
-        x = ints(5) + 10 * rank                        # differs on every rank; drawn on all, so seeds stay in step
-        if rank not in members:
-            continue
-        n, root, V = len(members), members.index(src), x.nbytes
+    for k, group, members, src in todo:
+        n, root = len(members), members.index(src)
+        x = ints(k, 5, device=device) + 10 * rank        # differs on every rank
         ref = {"broadcast": x.clone(), "reduce": x.clone()}
         dist.broadcast(ref["broadcast"], src, group=group)
         dist.reduce(ref["reduce"], src, group=group)
-        moved = {}                                     # (op, algo) -> [V sent per rank, V received per rank]
+        moved = {}                                       # (op, algo) -> [V sent per rank, V received per rank]
         for op, algo, fn in hand_built:
-            with p2p_bytes() as b:
-                y = fn(x.clone(), src, group)
-            if op == "broadcast" or rank == src:       # exact: integer-valued float64, any summation order
+            y = torch.zeros(10, dtype=F64, device=device)[::2].copy_(x)  # x in a strided view: written back into it
+            with traffic() as t:
+                assert fn(y, src, group) is y
+            if op == "broadcast" or rank == src:         # exact: integer-valued float64, any summation order
                 assert torch.equal(y, ref[op]), (op, algo)
-            counts = torch.empty(2 * n, dtype=torch.int64, device=device)
-            dist.all_gather_single(counts, torch.tensor([b["send"], b["recv"]], device=device), group=group)
-            moved[op, algo] = (counts.view(n, 2) // V).T.tolist()
-        only_root = lambda k: [k * (i == root) for i in range(n)]
+            assert all(ranks == tuple(members) for _, ranks, _ in t.calls), t.calls
+            per_rank = [None] * n
+            dist.all_gather_object(per_rank, (t.bytes["send"] // y.nbytes, t.bytes["recv"] // y.nbytes), group=group)
+            moved[op, algo] = [list(c) for c in zip(*per_rank)]
+        only_root = [(n - 1) * (i == root) for i in range(n)]
         not_root = [int(i != root) for i in range(n)]
-        children = [sum(1 for j in range(rel.bit_length(), ceil_log2(n)) if rel + 2 ** j < n)
+        children = [sum(1 for j in range(rel.bit_length(), (n - 1).bit_length()) if rel + 2 ** j < n)
                     for rel in ((i - root) % n for i in range(n))]
-        assert moved["broadcast", "flat"] == [only_root(n - 1), not_root]
-        assert moved["broadcast", "tree"] == [children, not_root] and children[root] == ceil_log2(n)
-        for algo in ("flat", "tree"):                  # reduce is broadcast transposed: every arrow reversed
+        assert moved["broadcast", "flat"] == [only_root, not_root]
+        assert moved["broadcast", "tree"] == [children, not_root] and children[root] == (n - 1).bit_length()
+        for algo in ("flat", "tree"):                    # reduce is broadcast transposed: every arrow reversed
             assert moved["reduce", algo] == moved["broadcast", algo][::-1]
-        where = f"{'sub-group of ' if group is not None else ''}{n} rank{'s' * (n > 1)}, root {src}"
-        log(f"{where}: == dist.broadcast, dist.reduce; in V = {V} B, broadcast sends per rank: "
-            f"flat {moved['broadcast', 'flat'][0]}, tree {moved['broadcast', 'tree'][0]}")
-        log(f"{' ' * len(where)}  reduce receives per rank: flat {moved['reduce', 'flat'][1]}, "
-            f"tree {moved['reduce', 'tree'][1]}: the broadcast's sends, transposed")
+        if group is None:
+            log(f"{n} rank{'s' * (n > 1)}, root {src}: == dist.broadcast, dist.reduce; in V = {y.nbytes} B, "
+                f"broadcast sends per rank: flat {moved['broadcast', 'flat'][0]}, tree {moved['broadcast', 'tree'][0]}")
+    log("reduce receives per rank what broadcast sends, transposed; the same on every sub-group and root")
     log("the root sends (broadcast) or receives (reduce) (W-1) V flat, ceil(log2 W) V as a tree; (W-1) V in all")
 
-    finish("broadcast, scatter, gather along a dim, reduce SUM/MAX, their transposes, flat vs tree broadcast "
-           "and reduce")
+
+def main():
+    rank, W, device = setup()
+    todo = [(k, *case) for k, case in enumerate(cases(W)) if rank in case[1]]  # this rank's; run side by side
+    broadcast_section(rank, device, todo)
+    scatter_section(rank, device, todo)
+    gather_section(rank, device, todo)
+    reduce_section(rank, device, todo)
+    transposes_section(rank, device, todo)
+    by_hand_section(rank, device, todo)
+    finish("broadcast, scatter and gather along dims 0/1/-1, reduce SUM/MAX, their transposes, flat vs tree "
+           "broadcast and reduce; on the world and on sub-groups, roots other than 0, strided inputs")
 
 
 if __name__ == "__main__":
