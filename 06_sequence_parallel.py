@@ -1,4 +1,5 @@
-"""06 - sequence parallelism: Megatron's (split what TP leaves whole) and Ulysses (all-to-all to heads).
+"""06 - sequence parallelism: Megatron's (split what TP leaves whole), Ulysses (all-to-all to heads), and context
+parallelism (ring attention over zig-zag shards).
 
 Megatron SP (Korthikanti et al., 2022). Tensor parallelism runs LayerNorm, dropout and the residual on the whole
 [s, b, h] activation on every rank. SP splits them along the sequence and cuts TP's all-reduce into its halves:
@@ -12,14 +13,10 @@ Bytes each rank sends, V = s*b*h*bytes: all-gather (tp-1)/tp*V + reduce-scatter 
 ring all-reduce exactly. SP buys activation memory: LayerNorm's input and output are kept at 1/tp (fc1 keeps its
 [s/tp, b, h] input and all-gathers it again in backward, one more (tp-1)/tp*V, for that memory). The price: LN's
 weight and bias and fc2's bias see a different slice of the sequence on each rank, so their gradients need one
-all-reduce over the TP group (NVIDIA/Megatron-LM#443).
-
-Overlap. fc1's backward starts the reduce-scatter of its input gradient with async_op=True and computes the weight
-gradient into an fp32 `main_grad` while it travels (Megatron's gradient-accumulation fusion). On GPUs Megatron sets
-CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware queue kernels start in launch order, so the NCCL kernel is running
-before the weight-gradient GEMM takes the SMs (with several queues the GEMM may start first and the communication
-wait behind it). gloo has no streams: its collectives run on gloo's own CPU threads over TCP and overlap the matmul
-only when a core is free for those threads.
+all-reduce over the TP group (NVIDIA/Megatron-LM#443). The regions split dim 0 (Megatron's sequence-first
+[s, b, h]); a batch-first [b, s, h] caller passes dim=1.
+Overlap: fc1's backward starts the reduce-scatter of its input gradient with async_op=True and computes the weight
+gradient into an fp32 `main_grad` while it travels (Megatron's gradient-accumulation fusion).
 
 Ulysses (Jacobs et al., 2023). q, k, v arrive as [b, s/P, h, d]; an all-to-all each makes them [b, s, h/P, d],
 attention runs over the whole sequence on h/P heads, and one more all-to-all brings the output back:
@@ -30,6 +27,29 @@ attention runs over the whole sequence on h/P heads, and one more all-to-all bri
 Each all-to-all sends (P-1)/P of a rank's [b, s/P, h*d] slice: in forward q, k, v and out send 4(P-1)/P^2 * V,
 against 2(P-1)/P * V for Megatron SP's all-gather in and reduce-scatter out of the same layer: 2/P of it. h caps P.
 
+Ring attention (context parallelism: Liu et al. 2023; Megatron CP, torch's context_parallel). No head split, so
+no cap: K and V go round a ring of P ranks while each rank keeps its own queries. Under a causal mask a
+contiguous split gives rank 0 one block of work and rank P-1 P blocks; zig-zag cuts the sequence into 2P chunks
+and gives rank r chunks r and 2P-1-r, an early one and a late one, so every rank does the same work:
+
+    chunks  c0 c1 c2 c3 c4 c5 c6 c7 (P = 4)     R0 [c0 c7]  R1 [c1 c6]  R2 [c2 c5]  R3 [c3 c4]
+    step t: rank r attends with its q to the K, V of rank r-t, while sending them on to r+1 and receiving
+            those of r-t-1 (posted before the step's compute, waited after it):  R0 -> R1 -> R2 -> R3 -> R0
+    causal: a K chunk later than the Q chunk is skipped, the same chunk masked; per rank 2P+1 chunk blocks
+            (3 at step 0, 2 at each of the P-1 others) where a contiguous split gives 1, 3, 5, 7 half-blocks.
+
+Partial results merge by their log-sum-exp (online softmax, fp32 inside): o = o1 e^(l1-l) + o2 e^(l2-l),
+l = log(e^l1 + e^l2). Backward recomputes each block's probabilities from the saved l: dq stays on its rank,
+dk and dv travel the ring with K and V and arrive, after one more hop, at their owner.
+Bytes each rank sends, with its K and V slices of b*(s/P)*h*d*bytes each: forward (P-1) * 2 slices; backward the
+same again plus P * 2 slices of dk, dv (in fp32 for bf16). Each step computes ~(s/P)^2 pairs and moves ~s/P
+rows: a long enough local sequence hides the ring behind the compute.
+All-gather CP (Llama 3) all-gathers the whole sequence's K and V instead, then attends its zig-zag queries:
+with grouped-query attention (8 K/V heads against 128 query heads) that all-gather is small next to the
+attention compute, it allows any mask (documents packed in one sequence), and it is one collective, not P-1
+steps to hide. The ring wins when K and V are large (many K/V heads), when the whole sequence's K and V do not
+fit on one device, or across slow links where only an overlapped transfer is affordable.
+
     torchrun --nproc-per-node=4 06_sequence_parallel.py
 """
 import torch
@@ -37,74 +57,186 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
-# ---- building blocks: helpers ---------------------------------------------------------------------------
-def _check_divisible(n: int, what: str, group):
-    if n % dist.get_world_size(group):
-        raise ValueError(f"{what}={n} is not divisible by the group size {dist.get_world_size(group)}")
+# ---- building blocks: private helpers (Megatron's mappings.py), each a no-op on a group of one rank ------------
+# torch 2.13 renamed these two collectives (the old names warn there); older torch has only the old names
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _split_along_first_dim(x, group):
-    _check_divisible(x.size(0), "sequence length", group)
-    return x.chunk(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
+def _divide(what: str, value: int, group) -> int:
+    size = dist.get_world_size(group)
+    if value % size:
+        raise ValueError(f"{what}={value} is not divisible by the group size {size}")
+    return value // size
 
 
-def _gather_along_first_dim(x, group, async_op=False):
-    out = x.new_empty((dist.get_world_size(group) * x.size(0), *x.shape[1:]))
-    work = dist.all_gather_single(out, x.contiguous(), group=group, async_op=async_op)
-    return (out, work) if async_op else out
-
-
-def _reduce_scatter_along_first_dim(x, group, async_op=False):
-    _check_divisible(x.size(0), "sequence length", group)
-    out = x.new_empty((x.size(0) // dist.get_world_size(group), *x.shape[1:]))
-    work = dist.reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return (out, work) if async_op else out
+def _wait(works):
+    for work in works:
+        work.wait()
 
 
 def _reduce(x, group):
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
-    return out
+    """Sum of x over the group; the caller's tensor is left alone."""
+    if dist.get_world_size(group) == 1:
+        return x
+    x = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(x, group=group)
+    return x
 
 
-# ---- building blocks: regions, each a forward op paired with its backward op (group=None: the world) ----
-class _Region(torch.autograd.Function):
-    """forward: fwd(x, group); backward: bwd(grad, group), the transpose of fwd. Each region names its pair."""
+def _split_along_dim(x, dim, group):
+    """This rank's contiguous slice of x along `dim`; no communication."""
+    _divide(f"x.shape[{dim}]", x.shape[dim], group)
+    return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
+
+
+def _gather_along_dim(x, dim, group, async_op=False):
+    """Every rank's x, concatenated along `dim` in rank order. async_op: (out, works), out valid after the wait."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return (x, []) if async_op else x
+    front = x.movedim(dim, 0).contiguous()                     # along dim 0 each rank's block is contiguous
+    out = front.new_empty((size * front.shape[0], *front.shape[1:]))
+    work = all_gather_single(out, front, group=group, async_op=async_op)
+    out = out.movedim(0, dim)
+    return (out, [work]) if async_op else out
+
+
+def _reduce_scatter_along_dim(x, dim, group, async_op=False):
+    """Chunk r along `dim` of the sum over the group, on rank r. async_op: (out, works)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return (x, []) if async_op else x
+    _divide(f"x.shape[{dim}]", x.shape[dim], group)
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    work = reduce_scatter_single(out, front, group=group, async_op=async_op)
+    out = out.movedim(0, dim)
+    return (out, [work]) if async_op else out
+
+
+def _all_to_all(x, scatter_dim, gather_dim, group):
+    """Chunk j of x along scatter_dim goes to rank j; what rank j sent is concatenated along gather_dim."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    send = torch.stack(x.chunk(size, dim=scatter_dim))         # send[j]: what rank j gets (a contiguous copy)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)             # recv[j]: what rank j sent
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+def _ring_exchange(x, group):
+    """Send x to the next rank of the ring and receive the previous rank's x: (received, works), the received
+    tensor valid after the wait. Even ranks post the send first, odd ranks the receive, so that blocking
+    sends (gloo; NCCL for large messages, and at P = 2 where next == prev) meet a posted receive."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size == 1:
+        return x, []
+    x = x.contiguous()
+    recv = torch.empty_like(x)
+    nxt, prev = (rank + 1) % size, (rank - 1) % size
+    if rank % 2 == 0:
+        works = [dist.isend(x, group=group, group_dst=nxt), dist.irecv(recv, group=group, group_src=prev)]
+    else:
+        works = [dist.irecv(recv, group=group, group_src=prev), dist.isend(x, group=group, group_dst=nxt)]
+    return recv, works
+
+
+# ---- building blocks: regions, one autograd.Function per operator (group=None: the world) ----------------------
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    """forward: identity; backward: all-reduce (TP's f; as in 05)."""
     @staticmethod
-    def forward(ctx, x, fwd, bwd, group):
-        ctx.bwd, ctx.group = bwd, group
-        return fwd(x, group)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.bwd(grad, ctx.group), None, None, None
+        return _reduce(grad, ctx.group), None
+
+
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    """forward: all-reduce; backward: identity (TP's g; as in 05)."""
+    @staticmethod
+    def forward(ctx, x, group):
+        return _reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """forward: keep this rank's slice along dim (no comm); backward: all-gather along dim."""
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_along_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """forward: all-gather along dim; backward: reduce-scatter along dim."""
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_along_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """forward: reduce-scatter along dim; backward: all-gather along dim."""
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_along_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """forward: all-to-all, scatter_dim split and gather_dim joined; backward: the same with the dims swapped."""
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
 def copy_to_tensor_model_parallel_region(x, group=None):
-    """forward: identity; backward: all-reduce (TP's `f`)."""
-    return _Region.apply(x, lambda t, g: t, _reduce, group)
+    return _CopyToModelParallelRegion.apply(x, group)
 
 
 def reduce_from_tensor_model_parallel_region(x, group=None):
-    """forward: all-reduce; backward: identity (TP's `g`)."""
-    return _Region.apply(x, _reduce, lambda t, g: t, group)
+    return _ReduceFromModelParallelRegion.apply(x, group)
 
 
-def scatter_to_sequence_parallel_region(x, group=None):
-    """forward: keep this rank's slice of the sequence (dim 0, no comm); backward: all-gather. x is replicated."""
-    return _Region.apply(x, _split_along_first_dim, _gather_along_first_dim, group)
+def scatter_to_sequence_parallel_region(x, group=None, *, dim=0):
+    return _ScatterToSequenceParallelRegion.apply(x, dim, group)
 
 
-def gather_from_sequence_parallel_region(x, group=None):
-    """forward: all-gather along the sequence (dim 0); backward: reduce-scatter."""
-    return _Region.apply(x, _gather_along_first_dim, _reduce_scatter_along_first_dim, group)
+def gather_from_sequence_parallel_region(x, group=None, *, dim=0):
+    return _GatherFromSequenceParallelRegion.apply(x, dim, group)
 
 
-def reduce_scatter_to_sequence_parallel_region(x, group=None):
-    """forward: reduce-scatter along the sequence (dim 0); backward: all-gather."""
-    return _Region.apply(x, _reduce_scatter_along_first_dim, _gather_along_first_dim, group)
+def reduce_scatter_to_sequence_parallel_region(x, group=None, *, dim=0):
+    return _ReduceScatterToSequenceParallelRegion.apply(x, dim, group)
 
 
+# ---- building blocks: Megatron SP's linear layer and MLP block ------------------------------------------------
 class LinearWithSequenceParallel(torch.autograd.Function):
     """forward: all-gather x, then x @ W.T + b; backward: grad_x = grad @ W, reduce-scattered async while dW is
     accumulated into W.main_grad (fp32, or the weight's dtype if wider; created on first use). W gets no .grad.
@@ -119,19 +251,19 @@ class LinearWithSequenceParallel(torch.autograd.Function):
         # main_grad rides on ctx: a saved tensor can come back as another Python object (saved-tensor hooks)
         ctx.group, ctx.main_grad, ctx.has_bias = group, weight.main_grad, bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(_gather_along_first_dim(x, group), weight, bias)          # [s, b, h] @ [h, f/tp]
+        return F.linear(_gather_along_dim(x, 0, group), weight, bias)              # [s, b, h] @ [h, f/tp]
 
     @staticmethod
-    def backward(ctx, grad):                                                      # grad: [s, b, f/tp]
+    def backward(ctx, grad):                                                       # grad: [s, b, f/tp]
         x, weight = ctx.saved_tensors
-        total, gathering = _gather_along_first_dim(x, ctx.group, async_op=True)   # [s, b, h], in flight
-        grad_input = grad.matmul(weight)                                          # [s, b, h], partial over ranks
-        gathering.wait()
-        grad_x, scattering = _reduce_scatter_along_first_dim(grad_input, ctx.group, async_op=True)  # [s/tp, b, h]
-        main = ctx.main_grad                       # while the reduce-scatter travels: dW += grad.T @ total
+        total, gathering = _gather_along_dim(x, 0, ctx.group, async_op=True)       # [s, b, h], in flight
+        grad_input = grad.matmul(weight)                                           # [s, b, h], partial over ranks
+        _wait(gathering)
+        grad_x, scattering = _reduce_scatter_along_dim(grad_input, 0, ctx.group, async_op=True)  # [s/tp, b, h]
+        main = ctx.main_grad                        # while the reduce-scatter travels: dW += grad.T @ total
         main.addmm_(grad.flatten(0, -2).t().to(main.dtype), total.flatten(0, -2).to(main.dtype))
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
-        scattering.wait()
+        _wait(scattering)
         return grad_x, None, grad_bias, None
 
 
@@ -155,28 +287,20 @@ def allreduce_sequence_parallel_grads(params, group=None):
     grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads:
         return
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=group)
+    flat = _reduce(torch.cat([g.flatten() for g in grads]), group)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
 
 
-def _all_to_all(x, scatter_dim, gather_dim, group):
-    send = torch.stack(x.chunk(dist.get_world_size(group), dim=scatter_dim))   # send[j]: what rank j gets
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)                             # recv[j]: what rank j sent
-    return torch.cat(recv.unbind(0), dim=gather_dim)
-
-
+# ---- building blocks: Ulysses ---------------------------------------------------------------------------------
 def all_to_all_4d(x, scatter_dim: int, gather_dim: int, group=None):
     """forward: all-to-all that splits scatter_dim and concatenates gather_dim; backward: the swapped all-to-all.
     [b, s/P, h, d] -> [b, s, h/P, d] with (scatter_dim=2, gather_dim=1); (1, 2) goes back."""
     if x.dim() != 4 or scatter_dim == gather_dim or not {scatter_dim, gather_dim} <= {0, 1, 2, 3}:
         raise ValueError(f"all_to_all_4d takes a [b, s, h, d] tensor and two different dims in 0..3, got shape "
                          f"{tuple(x.shape)}, scatter_dim={scatter_dim}, gather_dim={gather_dim}")
-    _check_divisible(x.size(scatter_dim), ("batch", "sequence", "heads", "head_dim")[scatter_dim], group)
-    return _Region.apply(x, lambda t, g: _all_to_all(t, scatter_dim, gather_dim, g),
-                         lambda t, g: _all_to_all(t, gather_dim, scatter_dim, g), group)
+    _divide(("batch", "sequence", "heads", "head_dim")[scatter_dim], x.size(scatter_dim), group)
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
 
 
 def ulysses_attention(q, k, v, is_causal: bool = False, group=None):
@@ -186,28 +310,200 @@ def ulysses_attention(q, k, v, is_causal: bool = False, group=None):
     return all_to_all_4d(out.transpose(1, 2), 1, 2, group)                                 # [b, s/P, h, d]
 
 
-# ---- demo -----------------------------------------------------------------------------------------------
-from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402  (the demo's, not the blocks')
-from common import finish, head, launched_world_size, log, refuse, setup, time_overlap  # noqa: E402
+# ---- building blocks: context parallelism (zig-zag shards, ring attention) ------------------------------------
+def _zigzag_check(length: int, what: str, group) -> int:
+    size = dist.get_world_size(group)
+    if length % (2 * size):
+        raise ValueError(f"{what}={length} is not divisible by 2 x {size} ranks: zig-zag cuts it into {2 * size} "
+                         "chunks")
+    return size
 
 
-class CommCounter(CommDebugMode):
-    """CommDebugMode counts collectives; this also sums the bytes this rank sends under ring algorithms, read off
-    the tensors each c10d op is handed, with n = the world size (the demo uses no sub-group)."""
-    # op: (name, bytes sent); a = the op's args: allreduce_ takes [tensor] first, the others (out, in) first
-    SENDS = {torch.ops.c10d.allreduce_: ("all-reduce", lambda a, n: 2 * (n - 1) * a[0][0].nbytes // n),
-             torch.ops.c10d._allgather_base_: ("all-gather", lambda a, n: (n - 1) * a[1].nbytes),
-             torch.ops.c10d._reduce_scatter_base_: ("reduce-scatter", lambda a, n: (n - 1) * a[0].nbytes),
-             torch.ops.c10d.alltoall_base_: ("all-to-all", lambda a, n: (n - 1) * a[1].nbytes // n)}
-    sent = 0                   # bytes; `self.sent += ...` gives each counter its own
+def zigzag_shard(x, dim, group=None):
+    """This rank's zig-zag slice of the whole sequence x along dim: chunks r and 2P-1-r of 2P (no comm)."""
+    size = _zigzag_check(x.shape[dim], "sequence length", group)
+    if size == 1:
+        return x
+    chunks, r = x.chunk(2 * size, dim), dist.get_rank(group)
+    return torch.cat([chunks[r], chunks[2 * size - 1 - r]], dim)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "overloadpacket", None) in self.SENDS:
-            self.sent += self.SENDS[func.overloadpacket][1](args, dist.get_world_size())
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def counts(self):
-        return {self.SENDS[op][0]: n for op, n in self.get_comm_counts().items()}
+def zigzag_unshard(x, dim, group=None):
+    """The whole sequence from every rank's zig-zag slice along dim: an all-gather, then the chunks in order
+    (backward: the reduce-scatter of gather_from_sequence_parallel_region)."""
+    size = _zigzag_check(dist.get_world_size(group) * x.shape[dim], "sequence length", group)
+    if size == 1:
+        return x
+    held = gather_from_sequence_parallel_region(x, group, dim=dim).chunk(2 * size, dim)  # rank r: 2r, 2r+1
+    return torch.cat([held[2 * c if c < size else 2 * (2 * size - 1 - c) + 1] for c in range(2 * size)], dim)
+
+
+def _block_pairs(rank, src, size, is_causal):
+    """(i, j, diagonal) for every query chunk i of `rank` and key chunk j of `src` that attention needs. Rank r
+    holds chunks (r, 2P-1-r); causal skips a key chunk later than the query chunk and masks the same chunk."""
+    mine, theirs = (rank, 2 * size - 1 - rank), (src, 2 * size - 1 - src)
+    return [(i, j, is_causal and cq == ck) for i, cq in enumerate(mine) for j, ck in enumerate(theirs)
+            if not (is_causal and ck > cq)]
+
+
+def _scores(q, k, scale, diagonal):
+    """q k^T * scale [.., n, n]; on a diagonal block key j is in query i's future when j > i."""
+    s = q @ k.transpose(-2, -1) * scale
+    if diagonal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _attend(q, k, v, scale, diagonal):
+    """One block: (softmax(scores) @ v, log-sum-exp of each row's scores)."""
+    s = _scores(q, k, scale, diagonal)
+    lse = s.logsumexp(-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Online softmax: attention over two disjoint sets of keys, from each set's output and log-sum-exp."""
+    new = torch.logaddexp(lse, block_lse)
+    return (out * (lse - new).exp().unsqueeze(-1) + block_out * (block_lse - new).exp().unsqueeze(-1)), new
+
+
+def _attend_backward(q, k, v, dout, lse, delta, scale, diagonal):
+    """One block's (dq, dk, dv), its probabilities recomputed from the row's final log-sum-exp; delta is
+    rowsum(dout * out) (FlashAttention-2's backward): ds = p * (dout v^T - delta)."""
+    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))     # [.., n, n]: this block's share
+    ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
+
+
+class _RingAttention(torch.autograd.Function):
+    """forward: attention of this rank's queries to every rank's K, V, passed round the ring; backward: dq here,
+    dk and dv round the ring back to their owners. Inside: [b, h, s/P, d] in fp32 (or wider), two chunks each."""
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal, group):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        dtype, scale = torch.promote_types(q.dtype, torch.float32), q.shape[-1] ** -0.5
+        qc = q.transpose(1, 2).to(dtype).chunk(2, dim=2)                     # 2 x [b, h, c, d], c = s/(2P)
+        kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)])            # [2, b, h, 2c, d]: what travels
+        out = [torch.zeros_like(t) for t in qc]
+        lse = [t.new_full(t.shape[:-1], float("-inf")) for t in qc]
+        for step in range(size):
+            if step < size - 1:
+                kv_next, works = _ring_exchange(kv, group)                   # the next K, V, while we compute
+            kc, vc = (t.to(dtype).chunk(2, dim=2) for t in kv)               # rank (rank - step)'s K, V chunks
+            for i, j, diagonal in _block_pairs(rank, (rank - step) % size, size, is_causal):
+                out[i], lse[i] = _merge(out[i], lse[i], *_attend(qc[i], kc[j], vc[j], scale, diagonal))
+            if step < size - 1:
+                _wait(works)
+                kv = kv_next
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)             # [b, h, 2c, d], [b, h, 2c]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal, ctx.group = is_causal, group
+        return out.transpose(1, 2).to(q.dtype)                               # [b, s/P, h, d]
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, size, rank = ctx.group, dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        dtype, scale = out.dtype, q.shape[-1] ** -0.5
+        qc = q.transpose(1, 2).to(dtype).chunk(2, dim=2)
+        doc = dout.transpose(1, 2).to(dtype).chunk(2, dim=2)
+        delta = (dout.transpose(1, 2).to(dtype) * out).sum(-1).chunk(2, dim=2)
+        lse = lse.chunk(2, dim=2)
+        dq = [torch.zeros_like(t) for t in qc]
+        kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)])
+        dkv_works = []
+        for step in range(size):
+            if step < size - 1:
+                kv_next, kv_works = _ring_exchange(kv, group)
+            kvd = kv.to(dtype)
+            part = torch.zeros_like(kvd)                    # this rank's share of dk, dv for the K, V it holds
+            for i, j, diagonal in _block_pairs(rank, (rank - step) % size, size, is_causal=ctx.is_causal):
+                c = slice(j * kvd.shape[3] // 2, (j + 1) * kvd.shape[3] // 2)
+                dqi, dkj, dvj = _attend_backward(qc[i], kvd[0][:, :, c], kvd[1][:, :, c], doc[i], lse[i],
+                                                 delta[i], scale, diagonal)
+                dq[i] += dqi
+                part[0][:, :, c] += dkj
+                part[1][:, :, c] += dvj
+            _wait(dkv_works)                                # the shares of the ranks this K, V visited before
+            dkv = part if step == 0 else part + dkv_recv
+            dkv_recv, dkv_works = _ring_exchange(dkv, group)   # on to the next rank; after the last step, home
+            if step < size - 1:
+                _wait(kv_works)
+                kv = kv_next
+        _wait(dkv_works)
+        dk, dv = (t.transpose(1, 2).to(k.dtype) for t in dkv_recv)            # this rank's own dk, dv
+        return torch.cat(dq, dim=2).transpose(1, 2).to(q.dtype), dk, dv, None, None
+
+
+def ring_attention(q, k, v, is_causal: bool = False, group=None):
+    """Attention over the whole sequence from this rank's zig-zag slices [b, s/P, h, d] of q, k, v (the layout
+    ulysses_attention takes; zigzag_shard(x, 1) makes them); returns the output's zig-zag slice. Any head count.
+    Softmax and sums in fp32 for bf16 and fp16 inputs; K and V travel in their own dtype."""
+    if q.dim() != 4 or q.shape != k.shape or k.shape != v.shape:
+        raise ValueError(f"ring_attention takes q, k, v of one shape [b, s/P, h, d], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    _zigzag_check(dist.get_world_size(group) * q.shape[1], "sequence length", group)
+    return _RingAttention.apply(q, k, v, is_causal, group)
+
+
+# ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+try:
+    from common import finish, head, launched_world_size, log, refuse, setup, time_overlap, traffic
+except ImportError:  # the blocks above, imported alone where common.py is absent
+    pass
+
+S, B, NH, D = 48, 2, 24, 2     # [s, b]; Ulysses' 24 heads of 2: s/(2P) and heads divide for P in 1, 2, 3, 4, 6, 8
+H, FFN = NH * D, 48            # the MLP block's width (the attention layer's, so their bytes compare) and fc1's
+RING_HEADS, RING_D = 5, 4      # ring attention: 5 heads, which no P > 1 here divides (Ulysses refuses them)
+SENT = {"all_reduce": lambda b, n: 2 * (n - 1) * b // n, "all_gather": lambda b, n: (n - 1) * b,  # ring algorithms
+        "reduce_scatter": lambda b, n: (n - 1) * b // n, "all_to_all": lambda b, n: (n - 1) * b // n,
+        "send": lambda b, n: b, "recv": lambda b, n: 0}
+
+
+def sent(t, ranks=None):
+    """Bytes this rank put on the wire for what traffic() `t` recorded, from the bytes handed in (closed forms in
+    SENT); every call must be on the group of global `ranks` when given."""
+    assert ranks is None or all(r == tuple(ranks) for _, r, _ in t.calls), (t.calls, ranks)
+    return sum(SENT[name](nbytes, len(r)) for name, r, nbytes in t.calls)
+
+
+class Posted:
+    """The works one call posted, waited for together: what time_overlap's start_comm returns."""
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        _wait(self.works)
+
+
+def members(group):
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def ints(shape, seed, device):
+    """Integer-valued float64 from a seed, so any rank can rebuild any rank's tensor and sums are exact."""
+    return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(seed)).double().to(device)
+
+
+def strided(t):
+    """The same values in a non-contiguous layout (a transposed copy, transposed back)."""
+    out = t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert not out.is_contiguous() or min(t.shape[-2:]) < 2
+    return out
+
+
+def adjoint_checked(op, x, group=None, replicated=False):
+    """op(x), after asserting sum over ranks <op(x), y> == sum over ranks <x, op's backward(y)> exactly, for a
+    y different on every rank. A replicated x is one tensor held by every rank: its side counts once."""
+    x = x.detach().requires_grad_()
+    out = op(x)
+    y = ints(out.shape, 1000 + dist.get_rank(), x.device)
+    (g,) = torch.autograd.grad(out, x, y)
+    once = dist.get_rank(group) == 0 or not replicated
+    sides = torch.stack([(out * y).sum(), (x * g).sum() * once]).detach()
+    dist.all_reduce(sides, group=group)
+    assert sides[0] == sides[1], f"adjoint test: {sides.tolist()}"
+    return out.detach()
 
 
 def kept_for_backward(fn, params):
@@ -223,46 +519,49 @@ def kept_for_backward(fn, params):
     return out, sum(kept.values())
 
 
-def ints(shape, seed, device):
-    """Integer-valued float64 from a seed, so any rank can rebuild any rank's tensor and sums are exact."""
-    return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(seed)).double().to(device)
-
-
-def adjoint_checked(op, x, replicated=False):
-    """op(x), after asserting sum over ranks <op(x), y> == sum over ranks <x, op's backward(y)> exactly, for a
-    y different on every rank. A replicated x is one tensor held by every rank: its side counts once (rank 0's)."""
-    x = x.clone().requires_grad_()
-    out = op(x)
-    y = ints(out.shape, 1000 + dist.get_rank(), x.device)
-    (g,) = torch.autograd.grad(out, x, y)
-    sides = torch.stack([(out * y).sum(), (x * g).sum() * (dist.get_rank() == 0 or not replicated)]).detach()
-    dist.all_reduce(sides)
-    assert sides[0] == sides[1], f"adjoint test: {sides.tolist()}"
-    return out.detach()
-
-
-S, B, NH, D = 16, 2, 8, 4      # [s, b] and Ulysses' 8 heads of 4
-H, FFN = NH * D, 64            # the MLP block's width (the attention layer's, so their bytes compare) and fc1's
-
-
-def main():
-    W = launched_world_size()
-    if 8 % W:
-        refuse(f"world size {W} does not divide 8 heads, sequence {S} and ffn {FFN}: use 1, 2, 4 or 8")
-    rank, P, device = setup()
-    e, f64 = 8, dict(dtype=torch.float64, device=device)   # bytes per float64
-
-    head("the sequence-parallel regions: values and adjoints, on rank-dependent inputs")
-    x = ints((2, 3), rank, device)                                         # rank r holds its own [2, 3]
-    every = torch.cat([ints((2, 3), q, device) for q in range(P)])         # [2P, 3]: every rank's x in order, on all
-    assert torch.equal(adjoint_checked(gather_from_sequence_parallel_region, x), every)
-    partial, total = (rank + 1) * every, P * (P + 1) // 2 * every          # rank r's partial sums; their sum
-    assert torch.equal(adjoint_checked(reduce_scatter_to_sequence_parallel_region, partial), total.chunk(P)[rank])
-    assert torch.equal(adjoint_checked(scatter_to_sequence_parallel_region, every, True), every.chunk(P)[rank])
-    log("gather = all-gather, reduce_scatter = sum then slice, scatter = slice: exact values on every rank")
+def regions(groups, device):
+    for group in groups:
+        ranks, P, r = members(group), dist.get_world_size(group), dist.get_rank(group)
+        for dim in (0, 1):                                                   # [s, b, h] and batch-first [b, s, h]
+            shape = [3, 3, 3]
+            shape[dim] = 2                                                   # each rank's slice: 2 rows along dim
+            every = torch.cat([ints(shape, g, device) for g in ranks], dim)  # every member's slice, in group order
+            x = strided(ints(shape, dist.get_rank(), device))
+            gathered = adjoint_checked(lambda t: gather_from_sequence_parallel_region(t, group, dim=dim), x, group)
+            assert torch.equal(gathered, every)
+            partial, total = strided((r + 1) * every), P * (P + 1) // 2 * every   # rank r's partial sums; sum
+            out = adjoint_checked(lambda t: reduce_scatter_to_sequence_parallel_region(t, group, dim=dim), partial,
+                                  group)
+            assert torch.equal(out, total.chunk(P, dim)[r])
+            out = adjoint_checked(lambda t: scatter_to_sequence_parallel_region(t, group, dim=dim), strided(every),
+                                  group, replicated=True)
+            assert torch.equal(out, every.chunk(P, dim)[r])
+    log("gather = all-gather, reduce_scatter = sum then slice, scatter = slice: exact, on strided inputs")
     log("adjoint: sum over ranks <op(x), y> == <x, op_backward(y)> for all three (scatter's replicated x once)")
+    log(f"along dim 0 ([s, b, h]) and dim 1 ([b, s, h]), on the world and on sub-groups {members(groups[-1])}, ..")
 
-    head(f"an MLP block on [s, b, h] = [{S}, {B}, {H}], ffn {FFN}: dense == TP == SP, forward and backward")
+
+def mlp_runs(dense, x, dy, group):
+    """TP and SP runs of mlp_block on this rank's shard over `group`, with the traffic and the bytes kept."""
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    rows = slice(r * FFN // P, (r + 1) * FFN // P)
+    shard = lambda k, t: t[:, rows] if k == "w2" else t[rows] if k in ("w1", "b1") else t   # this rank's part
+    runs = {"shard": shard}
+    for sp in (False, True):
+        p = {k: shard(k, v.detach()).clone().requires_grad_() for k, v in dense.items()}
+        for k in ("ln_w", "ln_b", "b2"):
+            p[k].sequence_parallel = True
+        xin = (x.chunk(P)[r] if sp else x).clone().requires_grad_()
+        with traffic() as fwd:
+            y, kept = kept_for_backward(lambda: mlp_block(xin, p, sp, group), p.values())
+        with traffic() as bwd:
+            (y * strided(dy.chunk(P)[r] if sp else dy)).sum().backward()
+        runs[sp] = dict(p=p, x=xin, y=y, fwd=fwd, bwd=bwd, kept=kept)
+    return runs
+
+
+def mlp_block_checks(groups, device):
+    f64 = dict(dtype=torch.float64, device=device)
     dense = {k: v.to(**f64).requires_grad_() for k, v in {                 # the whole block's parameters
         "ln_w": 1 + 0.1 * torch.randn(H), "ln_b": 0.1 * torch.randn(H), "w1": torch.randn(FFN, H) / H ** .5,
         "b1": 0.1 * torch.randn(FFN), "w2": torch.randn(H, FFN) / FFN ** .5, "b2": 0.1 * torch.randn(H)}.items()}
@@ -271,106 +570,263 @@ def main():
     ref = x_ref + F.linear(F.gelu(F.linear(F.layer_norm(x_ref, (H,), dense["ln_w"], dense["ln_b"]),
                                            dense["w1"], dense["b1"])), dense["w2"], dense["b2"])
     (ref * dy).sum().backward()
-    rows = slice(rank * FFN // P, (rank + 1) * FFN // P)
-    shard = lambda k, t: t[:, rows] if k == "w2" else t[rows] if k in ("w1", "b1") else t   # this rank's part
-    runs = {}
-    for sp in (False, True):
-        p = {k: shard(k, v.detach()).clone().requires_grad_() for k, v in dense.items()}
+    V, e = S * B * H * 8, 8                                                  # activation bytes; bytes per float64
+    for group in groups:
+        P, r, ranks = dist.get_world_size(group), dist.get_rank(group), members(group)
+        runs = mlp_runs(dense, x, dy, group)
+        tp, sp, shard = runs[False], runs[True], runs["shard"]
+        torch.testing.assert_close(tp["y"], ref)
+        torch.testing.assert_close(sp["y"], tp["y"].chunk(P)[r])
+        torch.testing.assert_close(tp["x"].grad, x_ref.grad)
+        torch.testing.assert_close(sp["x"].grad, tp["x"].grad.chunk(P)[r])
+        for k in ("w1", "b1", "w2"):
+            torch.testing.assert_close(tp["p"][k].grad, shard(k, dense[k].grad))
+            torch.testing.assert_close(sp["p"][k].main_grad if k == "w1" else sp["p"][k].grad, tp["p"][k].grad)
+        off = max((sp["p"][k].grad - dense[k].grad).abs().max().item() for k in ("ln_w", "ln_b", "b2"))
+        assert P == 1 or off > 1e-3
+        with traffic() as fix:
+            allreduce_sequence_parallel_grads(sp["p"].values(), group)
         for k in ("ln_w", "ln_b", "b2"):
-            p[k].sequence_parallel = True
-        xin = (x.chunk(P)[rank] if sp else x).clone().requires_grad_()
-        with CommCounter() as fwd:
-            y, kept = kept_for_backward(lambda: mlp_block(xin, p, sp), p.values())
-        with CommCounter() as bwd:
-            (y * (dy.chunk(P)[rank] if sp else dy)).sum().backward()
-        runs[sp] = dict(p=p, x=xin, y=y, fwd=fwd, bwd=bwd, kept=kept)
-    tp, sp = runs[False], runs[True]
-    torch.testing.assert_close(tp["y"], ref)
-    torch.testing.assert_close(sp["y"], tp["y"].chunk(P)[rank])
-    torch.testing.assert_close(tp["x"].grad, x_ref.grad)
-    torch.testing.assert_close(sp["x"].grad, tp["x"].grad.chunk(P)[rank])
-    for k in ("w1", "b1", "w2"):
-        torch.testing.assert_close(tp["p"][k].grad, shard(k, dense[k].grad))
-        torch.testing.assert_close(sp["p"][k].main_grad if k == "w1" else sp["p"][k].grad, tp["p"][k].grad)
-    log(f"output, x grad, fc1 and fc2 grads: SP == TP == dense, each rank computing s/tp = {S // P} rows of LN")
-    off = max((sp["p"][k].grad - dense[k].grad).abs().max().item() for k in ("ln_w", "ln_b", "b2"))
-    assert P == 1 or off > 1e-3
-    log(f"LN weight, LN bias, fc2 bias grads as each rank has them: off by up to {off:.3f} (each saw s/tp)")
-    with CommCounter() as fix:
-        allreduce_sequence_parallel_grads(sp["p"].values())
-    for k in ("ln_w", "ln_b", "b2"):
-        torch.testing.assert_close(tp["p"][k].grad, dense[k].grad)
-        torch.testing.assert_close(sp["p"][k].grad, dense[k].grad)
-    assert fix.counts() == {"all-reduce": 1} and fix.sent == 2 * (P - 1) * 3 * H * e // P
-    log(f"after one all-reduce of those {3 * H} values ({fix.sent} B sent): equal to dense (Megatron-LM#443)")
+            torch.testing.assert_close(tp["p"][k].grad, dense[k].grad)
+            torch.testing.assert_close(sp["p"][k].grad, dense[k].grad)
+        expect = lambda **counts: counts if P > 1 else {}   # a group of one rank issues no collective
+        assert dict(fix.counts) == expect(all_reduce=1) and sent(fix, ranks) == 2 * (P - 1) * 3 * H * e // P
+        ring = 2 * (P - 1) * V // P                   # a ring all-reduce of V, or an all-gather plus a reduce-scatter
+        assert dict(tp["fwd"].counts) == dict(tp["bwd"].counts) == expect(all_reduce=1)
+        assert sent(tp["fwd"], ranks) == sent(tp["bwd"], ranks) == ring
+        assert dict(sp["fwd"].counts) == expect(all_gather=1, reduce_scatter=1) and sent(sp["fwd"]) == ring
+        assert dict(sp["bwd"].counts) == expect(all_gather=2, reduce_scatter=1)
+        assert sent(sp["bwd"], ranks) == ring + (P - 1) * V // P
+        ln = (2 * S * B * H + 2 * S * B) * e          # LN's input and output (fc1's input), LN's mean and rstd
+        act = 2 * S * B * (FFN // P) * e              # fc1's output (GeLU's input) and GeLU's output, [s, b, f/tp]
+        assert tp["kept"] == ln + act and sp["kept"] == ln // P + act
+        if group is None:
+            log(f"output, x grad, fc1 and fc2 grads: SP == TP == dense, each rank computing s/tp = {S // P} rows of LN")
+            log(f"LN weight, LN bias, fc2 bias grads as each rank has them: off by up to {off:.3f} (each saw s/tp)")
+            log(f"after one all-reduce of those {3 * H} values ({sent(fix)} B sent): equal to dense (Megatron-LM#443)")
+            log(f"forward:  TP 1 all-reduce, SP all-gather + reduce-scatter: each sends 2(tp-1)/tp*V = {ring} B")
+            log(f"backward: TP {ring} B; SP {sent(sp['bwd'])} B = the same + (tp-1)/tp*V, fc1 gathering its input")
+            log(f"kept for backward: TP {tp['kept']} B, SP {sp['kept']} B: LN in/out/stats {ln} B -> {ln // P} B")
+    log(f"all of it also on sub-groups {members(groups[-1])}, ..: group rank != global rank")
 
-    head("one block's traffic and activation memory, TP vs SP, measured")
-    V = S * B * H * e
-    ring = 2 * (P - 1) * V // P                      # a ring all-reduce of V, or an all-gather plus a reduce-scatter
-    assert tp["fwd"].counts() == tp["bwd"].counts() == {"all-reduce": 1} and tp["fwd"].sent == tp["bwd"].sent == ring
-    assert sp["fwd"].counts() == {"all-gather": 1, "reduce-scatter": 1} and sp["fwd"].sent == ring
-    assert sp["bwd"].counts() == {"all-gather": 2, "reduce-scatter": 1} and sp["bwd"].sent == ring + (P - 1) * V // P
-    log(f"forward:  TP 1 all-reduce, SP all-gather + reduce-scatter: each sends 2(tp-1)/tp*V = {ring} B, V = {V} B")
-    log(f"backward: TP {ring} B; SP {sp['bwd'].sent} B = the same + (tp-1)/tp*V, fc1 gathering its input again")
-    ln = (2 * S * B * H + 2 * S * B) * e             # LN's input and output (fc1's input), LN's mean and rstd
-    act = 2 * S * B * (FFN // P) * e                 # fc1's output (GeLU's input) and GeLU's output, [s, b, f/tp]
-    assert tp["kept"] == ln + act and sp["kept"] == ln // P + act
-    log(f"kept for backward: TP {tp['kept']} B, SP {sp['kept']} B: LN in/out/stats {ln} B -> {ln // P} B (1/tp)")
 
-    head("overlap: grad_x's reduce-scatter travels while dW accumulates into main_grad")
-    g_out = torch.randn(S, B, FFN, **f64)[..., rows]                      # fc1's output gradient, [s, b, f/tp]
-    plain = [t.detach().clone().requires_grad_() for t in (x.chunk(P)[rank], dense["w1"][rows], dense["b1"][rows])]
-    fused = [t.detach().clone().requires_grad_() for t in plain]          # x slice, fc1's rows of W and b
-    (F.linear(gather_from_sequence_parallel_region(plain[0]), *plain[1:]) * g_out).sum().backward()  # synchronous
-    for _ in range(2):                                                                          # two micro-batches
-        (LinearWithSequenceParallel.apply(*fused) * g_out).sum().backward()
-    for got, want in zip((fused[0].grad, fused[1].main_grad, fused[2].grad), (t.grad for t in plain)):
-        torch.testing.assert_close(got, 2 * want)
-    w_bf16 = plain[1].detach().bfloat16().requires_grad_()                 # bf16 weights: main_grad is fp32
-    LinearWithSequenceParallel.apply(plain[0].detach().bfloat16(), w_bf16).sum().backward()
-    assert fused[1].grad is None and w_bf16.grad is None and w_bf16.main_grad.dtype == torch.float32
-    log("async reduce-scatter, dW into main_grad == gather region + autograd, 2 micro-batches; bf16 W: fp32 main_grad")
-    grad_x = torch.randn(64, 4, 64, device=device)                        # timing: grad_x [s, b, h] fp32
-    g2, t2, dw = (torch.randn(*shape, device=device) for shape in ((256, 256 // P), (256, 64), (256 // P, 64)))
-    t = time_overlap(lambda: _reduce_scatter_along_first_dim(grad_x, None, async_op=True)[1],
-                     lambda: dw.addmm_(g2.t(), t2), device, iters=2)    # dW [f/tp, h] += grad.T @ total
+def linear_overlap(groups, device):
+    f64 = dict(dtype=torch.float64, device=device)
+    x, w, b = torch.randn(S, B, H, **f64), torch.randn(FFN, H, **f64), torch.randn(FFN, **f64)
+    g_out = torch.randn(S, B, FFN, **f64)
+    for group in groups:
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+        rows = slice(r * FFN // P, (r + 1) * FFN // P)
+        plain = [t.clone().requires_grad_() for t in (x.chunk(P)[r], w[rows], b[rows])]  # x slice, fc1's rows
+        fused = [t.detach().clone().requires_grad_() for t in plain]
+        (F.linear(gather_from_sequence_parallel_region(plain[0], group), *plain[1:]) * g_out[..., rows]).sum() \
+            .backward()                                                                         # synchronous
+        for _ in range(2):                                                                      # two micro-batches
+            (LinearWithSequenceParallel.apply(*fused, group) * strided(g_out[..., rows])).sum().backward()
+        for got, want in zip((fused[0].grad, fused[1].main_grad, fused[2].grad), (t.grad for t in plain)):
+            torch.testing.assert_close(got, 2 * want)
+        assert fused[1].grad is None
+    w_bf16 = w.bfloat16().requires_grad_()                                   # bf16 weights: main_grad is fp32
+    LinearWithSequenceParallel.apply(x.chunk(dist.get_world_size())[dist.get_rank()].bfloat16(), w_bf16).sum() \
+        .backward()
+    assert w_bf16.grad is None and w_bf16.main_grad.dtype == torch.float32
+    log("async reduce-scatter, dW into main_grad == gather region + autograd, 2 micro-batches, world and sub-groups")
+    log("bf16 W: main_grad is fp32, W.grad stays None")
+    grad_x = torch.randn(48, 4, 64, device=device)                          # timing: grad_x [s, b, h] fp32
+    g2, t2, dw = (torch.randn(*shape, device=device) for shape in ((256, 256 // 4), (256, 64), (256 // 4, 64)))
+    t = time_overlap(lambda: Posted(_reduce_scatter_along_dim(grad_x, 0, None, async_op=True)[1]),
+                     lambda: dw.addmm_(g2.t(), t2), device, iters=2)      # dW [f/tp, h] += grad.T @ total
     log(f"reduce-scatter {t['comm'] * 1e3:.2f} ms + dW {t['compute'] * 1e3:.2f} ms one after the other, "
         f"{t['overlapped'] * 1e3:.2f} ms overlapped (printed, not asserted)")
 
-    head(f"Ulysses: all_to_all_4d on q [b, s/P, h, d] = [{B}, {S // P}, {NH}, {D}]")
-    q = ints((B, S // P, NH, D), 30 + rank, device)                      # rank r: sequence slice r, all heads
-    full = torch.cat([ints((B, S // P, NH, D), 30 + j, device) for j in range(P)], dim=1)   # [b, s, h, d]
-    out = adjoint_checked(lambda t: all_to_all_4d(t, 2, 1), q)
-    assert torch.equal(out, full.chunk(P, dim=2)[rank]) and torch.equal(all_to_all_4d(out, 1, 2), q)
-    log(f"{list(q.shape)} -> [b, s, h/P, d] {list(out.shape)}: the whole sequence, heads slice r; and back")
-    log("adjoint: sum over ranks <a2a(x), y> == <x, swapped a2a(y)>, exact")
-    for bad, dims in (((B, 2, P + 1, D), (2, 1)), ((B, S // P + 1, NH // P, D), (1, 2))) if P > 1 else ():
-        try:
-            all_to_all_4d(torch.zeros(bad, device=device), *dims)
-            raise AssertionError(f"shape {bad} accepted")
-        except ValueError as err:
-            assert "not divisible by the group size" in str(err)
-            log(f"refused {list(bad)}: ValueError: {err}")
 
-    head("Ulysses attention == F.scaled_dot_product_attention on the whole sequence")
+def ulysses(groups, device):
+    f64 = dict(dtype=torch.float64, device=device)
     qkv, dout = [torch.randn(B, S, NH, D, **f64) for _ in range(3)], torch.randn(B, S, NH, D, **f64)
-    mine = lambda t: t.chunk(P, dim=1)[rank]                             # this rank's slice of the sequence
-    for causal in (False, True):
-        ref_in = [t.clone().requires_grad_() for t in qkv]
-        ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref_in), is_causal=causal).transpose(1, 2)
-        my_in = [mine(t).clone().requires_grad_() for t in qkv]
-        with CommCounter() as uly:
-            out = ulysses_attention(*my_in, is_causal=causal)
-        torch.testing.assert_close(out, mine(ref))
-        for a, b in zip(torch.autograd.grad(out, my_in, mine(dout)), torch.autograd.grad(ref, ref_in, dout)):
-            torch.testing.assert_close(a, mine(b))                       # dq, dk, dv
-    log(f"causal and not: output, dq, dk, dv equal full attention; each rank ran {NH // P} of {NH} heads")
-    assert uly.counts() == {"all-to-all": 4} and uly.sent == 4 * (P - 1) * V // P ** 2 and uly.sent * P == 2 * ring
-    log(f"forward bytes per rank, V = b*s*h*d*bytes = {V} B: Ulysses' 4 all-to-alls send 4(P-1)/P^2*V = {uly.sent} B")
-    log(f"Megatron SP's all-gather in + reduce-scatter out (the MLP block's) send 2(P-1)/P*V = {ring} B: Ulysses 2/P")
+    V = S * B * NH * D * 8
+    for group in groups:
+        ranks, P, r = members(group), dist.get_world_size(group), dist.get_rank(group)
+        q = ints((B, S // P, NH, D), 30 + dist.get_rank(), device)          # sequence slice r, all heads
+        full = torch.cat([ints((B, S // P, NH, D), 30 + g, device) for g in ranks], dim=1)   # [b, s, h, d]
+        a2a = adjoint_checked(lambda t: all_to_all_4d(t, 2, 1, group), strided(q), group)
+        assert torch.equal(a2a, full.chunk(P, dim=2)[r]) and torch.equal(all_to_all_4d(strided(a2a), 1, 2, group), q)
+        mine = lambda t: t.chunk(P, dim=1)[r]                                # this rank's slice of the sequence
+        for causal in (False, True):
+            ref_in = [t.clone().requires_grad_() for t in qkv]
+            ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref_in), is_causal=causal)
+            ref = ref.transpose(1, 2)
+            my_in = [mine(t).clone().requires_grad_() for t in qkv]
+            with traffic() as uly:
+                out = ulysses_attention(*my_in, is_causal=causal, group=group)
+            torch.testing.assert_close(out, mine(ref))
+            for a, b in zip(torch.autograd.grad(out, my_in, mine(dout)), torch.autograd.grad(ref, ref_in, dout)):
+                torch.testing.assert_close(a, mine(b))                       # dq, dk, dv
+        assert dict(uly.counts) == ({"all_to_all": 4} if P > 1 else {})
+        assert sent(uly, ranks) == 4 * (P - 1) * V // P ** 2
+        if group is None:
+            log(f"all_to_all_4d: [b, s/P, h, d] {list(q.shape)} -> [b, s, h/P, d] {list(a2a.shape)} and back, exact;"
+                " adjoint exact")
+            log(f"attention, causal and not: output, dq, dk, dv == SDPA on the whole sequence; {NH // P} heads a rank")
+            log(f"forward bytes per rank, V = b*s*h*d*bytes = {V} B: 4 all-to-alls send 4(P-1)/P^2*V = {sent(uly)} B,"
+                f" 2/P of Megatron SP's {2 * (P - 1) * V // P} B")
+    if dist.get_world_size() > 1:
+        try:
+            all_to_all_4d(torch.zeros(B, 2, RING_HEADS, D, device=device), 2, 1)
+            raise AssertionError(f"{RING_HEADS} heads accepted")
+        except ValueError as err:
+            assert str(err) == f"heads={RING_HEADS} is not divisible by the group size {dist.get_world_size()}"
+            log(f"{RING_HEADS} heads refused: ValueError: {err}")
+    log(f"the same on sub-groups {members(groups[-1])}, ..")
 
+
+def zigzag(groups, device):
+    pos = torch.arange(S, device=device, dtype=torch.float64)            # each token's position in the sequence
+    x = ints((B, S, 3), 7, device)                                        # [b, s, 3], the same on every rank
+    for group in groups:
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+        c = S // (2 * P)
+        rows = zigzag_shard(pos, 0, group)
+        assert rows.tolist() == [*range(r * c, (r + 1) * c), *range((2 * P - 1 - r) * c, (2 * P - r) * c)]
+        held = zigzag_shard(strided(x), 1, group)                          # along dim 1, from a strided view
+        assert torch.equal(held, x[:, rows.long()])
+        assert torch.equal(adjoint_checked(lambda t: zigzag_unshard(t, 1, group), strided(held), group), x)
+        pairs = torch.stack([(rows + 1).sum(), (pos.chunk(P)[r] + 1).sum()])   # causal query-key pairs, mine
+        every = [torch.empty_like(pairs) for _ in range(P)]
+        dist.all_gather(every, pairs, group=group)
+        zig, contiguous = zip(*(p.long().tolist() for p in every))
+        assert set(zig) == {S * (S + 1) // (2 * P)} and (P == 1 or len(set(contiguous)) == P)
+        if group is None:
+            log(f"rank r holds chunks r and 2P-1-r of {2 * P}: positions {rows[:2].long().tolist()}.. on R0; "
+                "unshard(shard(x)) == x along dim 1; unshard's adjoint exact")
+            log(f"causal query-key pairs per rank: zig-zag {list(zig)}, contiguous {list(contiguous)}")
+    P = dist.get_world_size()
+    if P > 1:
+        try:
+            zigzag_shard(torch.zeros(S + P, device=device), 0)
+            raise AssertionError(f"length {S + P} accepted")
+        except ValueError as err:
+            assert str(err).startswith(f"sequence length={S + P} is not divisible by 2 x {P} ranks"), err
+            log(f"refused: ValueError: {err}")
+    log(f"the same on sub-groups {members(groups[-1])}, ..")
+
+
+def replays_to_the_end(logs):
+    """Replay each rank's posted ops [(send | recv, peer, bytes)] with every op blocking until its peer reaches the
+    matching op (a send meets a receive of the same bytes from the other side). True if every rank gets to the end."""
+    pos, moved = [0] * len(logs), True
+    while moved:
+        moved = False
+        for a, ops in enumerate(logs):
+            if pos[a] < len(ops):
+                kind, b, nbytes = ops[pos[a]]
+                if pos[b] < len(logs[b]) and logs[b][pos[b]] == ("recv" if kind == "send" else "send", a, nbytes):
+                    pos[a], pos[b], moved = pos[a] + 1, pos[b] + 1, True
+    return pos == [len(ops) for ops in logs]
+
+
+def ring(groups, device):
+    f64 = dict(dtype=torch.float64, device=device)
+    qkv, dout = [torch.randn(B, S, RING_HEADS, RING_D, **f64) for _ in range(3)], torch.randn(B, S, RING_HEADS,
+                                                                                             RING_D, **f64)
+    sdpa = lambda q, k, v, causal: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                  v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+    for group in groups:
+        ranks, P, r = members(group), dist.get_world_size(group), dist.get_rank(group)
+        mine = lambda t: zigzag_shard(t, 1, group)
+        for causal in (False, True):
+            ref_in = [t.clone().requires_grad_() for t in qkv]
+            ref = sdpa(*ref_in, causal)
+            my_in = [strided(mine(t)).requires_grad_() for t in qkv]        # [b, s/P, h, d], non-contiguous
+            with traffic() as fwd:
+                out = ring_attention(*my_in, is_causal=causal, group=group)
+            with traffic() as bwd:
+                grads = torch.autograd.grad(out, my_in, strided(mine(dout)))
+            torch.testing.assert_close(out, mine(ref))
+            for a, b in zip(grads, torch.autograd.grad(ref, ref_in, dout)):
+                torch.testing.assert_close(a, mine(b))                       # dq, dk, dv
+            kv = my_in[1].nbytes + my_in[2].nbytes                           # this rank's K and V slices
+            assert dict(fwd.counts) == ({"send": P - 1, "recv": P - 1} if P > 1 else {})
+            assert dict(bwd.counts) == ({"send": 2 * P - 1, "recv": 2 * P - 1} if P > 1 else {})
+            assert sent(fwd, ranks) == (P - 1) * kv and sent(bwd, ranks) == (P - 1) * kv + P * kv * (P > 1)
+            ops = [(name, (r + 1) % P if name == "send" else (r - 1) % P, n) for name, _, n in fwd.calls + bwd.calls]
+            logs = [None] * P
+            dist.all_gather_object(logs, ops, group=group)
+            assert replays_to_the_end(logs), "a posted send would wait for ever"
+        if group is None:
+            log(f"q, k, v [b, s/P, h, d] = {list(my_in[0].shape)}, {RING_HEADS} heads: output, dq, dk, dv == SDPA on "
+                "the whole sequence, causal and not")
+            log(f"bytes each rank sends: forward (P-1) x its K+V = {sent(fwd)} B; backward {sent(bwd)} B "
+                "= that + P x dK+dV")
+            log("every rank's posted sends and receives replay to the end with blocking sends (even/odd order)")
+    log(f"the same on sub-groups {members(groups[-1])}, .. (ring neighbours by group rank)")
+    ring_work_and_bf16(qkv, dout, sdpa, device)
+
+
+def ring_work_and_bf16(qkv, dout, sdpa, device):
+    from torch.utils.flop_counter import FlopCounterMode
+    P, r = dist.get_world_size(), dist.get_rank()
+    c = S // (2 * P)
+    pairs = []
+    for causal in (False, True):
+        with FlopCounterMode(display=False) as flops:
+            ring_attention(*(zigzag_shard(t, 1) for t in qkv), is_causal=causal)
+        pairs.append(flops.get_total_flops() // (4 * B * RING_HEADS * RING_D))   # q k^T and p v: 2 n m d each
+    every = [None] * P
+    dist.all_gather_object(every, pairs)
+    assert all(p == [4 * P * c * c, (2 * P + 1) * c * c] for p in every), every
+    log(f"query-key pairs each rank computes, measured: {pairs[0]} = s^2/P without mask; causal {pairs[1]} = "
+        f"(2P+1)(s/2P)^2 on every rank")
+    rounded = [t.bfloat16() for t in (*qkv, dout)]                   # bf16 inputs; the reference sees the same
+    ref_in = [t.double().requires_grad_() for t in rounded[:3]]
+    ref = sdpa(*ref_in, True)
+    ref_grads = torch.autograd.grad(ref, ref_in, rounded[3].double())
+    my_in = [zigzag_shard(t, 1).requires_grad_() for t in rounded[:3]]
+    out = ring_attention(*my_in, is_causal=True)
+    grads = torch.autograd.grad(out, my_in, zigzag_shard(rounded[3], 1))
+    assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(a.double(), zigzag_shard(b, 1), rtol=2 ** -8, atol=1e-5)
+    log("bf16 in, fp32 inside: output, dq, dk, dv within one bf16 rounding (rtol 2^-8) of float64 SDPA")
+    bad = torch.zeros(B, 3, RING_HEADS, RING_D, device=device)
+    try:
+        ring_attention(bad, bad, bad)
+        raise AssertionError("3 rows a rank accepted")
+    except ValueError as err:
+        assert str(err).startswith(f"sequence length={3 * P} is not divisible by 2 x {P} ranks"), err
+        log(f"refused: ValueError: {err}")
+
+
+def ring_overlap(device):
+    q, kv = torch.randn(1, 4, 256, 32, device=device), torch.randn(2, 1, 4, 256, 32, device=device)
+    t = time_overlap(lambda: Posted(_ring_exchange(kv, None)[1]),
+                     lambda: _attend(q, kv[0], kv[1], 32 ** -0.5, False), device, iters=3)
+    log(f"one step, K+V {kv.nbytes} B: send/recv {t['comm'] * 1e3:.2f} ms, attention {t['compute'] * 1e3:.2f} ms, "
+        f"overlapped {t['overlapped'] * 1e3:.2f} ms (printed, not asserted)")
+
+
+def main():
+    W = launched_world_size()
+    if 24 % W:
+        refuse(f"world size {W} does not divide {NH} heads, sequence {S} // 2, ffn {FFN}: use 1, 2, 3, 4, 6 or 8")
+    rank, world, device = setup()
+    sub = [dist.new_group(list(range(p, world, 2))) for p in range(min(2, world))][rank % 2]  # my parity's ranks
+    groups = (None, sub)
+    head("the sequence-parallel regions: values and adjoints, on rank-dependent inputs")
+    regions(groups, device)
+    head(f"an MLP block on [s, b, h] = [{S}, {B}, {H}], ffn {FFN}: dense == TP == SP; traffic and memory")
+    mlp_block_checks(groups, device)
+    head("overlap: grad_x's reduce-scatter travels while dW accumulates into main_grad")
+    linear_overlap(groups, device)
+    head(f"Ulysses: q, k, v [b, s/P, h, d] all-to-all to [b, s, h/P, d], {NH} heads")
+    ulysses(groups, device)
+    head(f"zig-zag shards of a sequence of {S} for ring attention")
+    zigzag(groups, device)
+    head("ring attention == F.scaled_dot_product_attention on the whole sequence, float64")
+    ring(groups, device)
+    head("ring overlap: the next K, V travel while this step's attention runs")
+    ring_overlap(device)
     finish("SP regions and adjoints, MLP block SP == TP == dense with LN grads all-reduced, SP traffic and "
-           "memory, async reduce-scatter overlap, Ulysses all-to-all and attention")
+           "memory, async reduce-scatter overlap, Ulysses, zig-zag, ring attention")
 
 
 if __name__ == "__main__":
