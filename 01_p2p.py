@@ -305,7 +305,10 @@ def both_neighbours(rank, W, device, group, members):
             assert t.bytes["send"] == t.bytes["recv"] == 2 * (n > 1) * from_prev.nbytes
         log(f"{name}: rank r holds prev's rightward and next's leftward tensor ({2 * from_prev.nbytes} B sent per "
             f"rank), also in the rings {{0, 2, ..}} and {{1, 3, ..}}")
-    # the order p2p_ops really posts, from every rank, replayed as blocking sends: it must complete
+
+
+def posted_order(rank, W, device):
+    """The order p2p_ops really posts, from every rank, replayed as blocking sends: it must complete."""
     ops = _neighbour_ops(*[torch.empty(3, dtype=F64, device=device)] * 4, group=None)
     with traffic() as t:
         [w.wait() for w in p2p_ops(**{k: torch.empty(3, dtype=F64, device=device) for k in
@@ -363,6 +366,7 @@ def main():
     deadlock(rank, W, device)
     ring_exchange(rank, W, device, group, members)
     both_neighbours(rank, W, device, group, members)
+    posted_order(rank, W, device)
     variable_shapes(rank, W, device, group, members)
     finish("pipeline send/recv fwd+bwd, even/odd order without deadlock (posted order replayed), ring and "
            "neighbour exchange, variable shapes; on the world and on strided sub-groups")
