@@ -1,0 +1,476 @@
+"""10 - 3D parallelism: a small GPT trained with data, pipeline, tensor, sequence and vocabulary parallelism at once.
+
+Every lesson before this one proves one block alone. Here they are composed, unchanged, into one training step
+(what Megatron-LM and picotron do): this file imports them (importlib, since a module name cannot start with a
+digit) and adds only the grid of process groups, the model built from the blocks, and the step that joins them.
+
+The grid. W = dp * pp * tp ranks, tp fastest: rank = (d * pp + p) * tp + t. A TP group is tp consecutive ranks
+(one node: the heaviest traffic on the fastest links); a PP group takes one rank from each stage; a DP group holds
+the copies of one shard, one per replica. 8 ranks as dp 2 x pp 2 x tp 2:
+
+            replica d=0               replica d=1         TP groups  [0 1] [2 3] [4 5] [6 7]   (NVLink)
+        stage 0     stage 1       stage 0     stage 1     PP groups  [0 2] [1 3] [4 6] [5 7]   (across nodes)
+       [ 0  1 ] -> [ 2  3 ]      [ 4  5 ] -> [ 6  7 ]     DP groups  [0 4] [1 5] [2 6] [3 7]   (across nodes)
+        t=0 t=1     t=0 t=1       t=0 t=1     t=0 t=1     embedding  [0 2] [1 3] [4 6] [5 7]   (first+last stage)
+
+Who holds what. Stage 0 holds the vocabulary-parallel embedding (07: rank t holds vocabulary rows t*V/tp...);
+each stage L/pp transformer layers whose attention and MLP are column/row-parallel (05) with sequence
+parallelism (06): between layers a rank holds [b, s/tp, h], its slice of the sequence; the last stage holds the
+final LayerNorm and the LM head, whose weight is the embedding's (tied), and the vocabulary-parallel loss (07).
+Micro-batches flow through the stages in 1F1B order (08); ZeRO-2 (09) over the DP group reduce-scatters the
+gradients, steps this rank's 1/dp of them and all-gathers the parameters.
+
+The tied weight. With pp > 1 the embedding (stage 0) and the LM head (last stage) are two copies of one matrix,
+each getting part of its gradient. Megatron's embedding group (first and last rank of each pipeline) all-reduces
+that gradient after the last micro-batch, so both copies take the same step and stay equal. LayerNorms and the
+row layers' biases see only this rank's slice of the sequence (SP): their gradients are all-reduced over TP.
+Both happen once per step, after the pipeline and before ZeRO-2's reduce-scatter (all three are sums: any order).
+
+One step, bytes each rank SENDS (ring collectives: all-reduce 2(n-1)/n of its input, all-gather (n-1) x its
+input, reduce-scatter (n-1)/n of its input; a send its tensor). A = b*s*h*e, one micro-batch's activation
+(b sequences of s tokens, e bytes an element); m micro-batches; L/pp layers on this stage; t = tp.
+  TP, per layer and micro-batch: attention and MLP each all-gather in (fwd) and reduce-scatter out (fwd), and
+      the reverse in backward: 4 all-gathers + 4 reduce-scatters, 8 (t-1)/t A -- TP's 4 all-reduces exactly
+  TP, stage 0 per micro-batch: the embedding's all-reduce 2(t-1)/t A, its split's backward all-gather (t-1)/t A
+  TP, last stage per micro-batch: the head's all-gather and its backward reduce-scatter 2 (t-1)/t A;
+      the loss: 3 all-reduces of one number per token, 3 * 2(t-1)/t * b*s*e (07), independent of V
+  TP, per step: one all-reduce of the SP parameters' gradients (6h per layer, +2h last stage): 2(t-1)/t * 6hLe/pp
+  PP, per micro-batch: one activation forward unless last, one gradient back unless first: A/t each
+  embedding group, per step (first and last stage, pp > 1): one all-reduce of V/t*h*e bytes: 2(2-1)/2 = 1x it
+  DP, per bucket: reduce-scatter (dp-1)/dp of its gradient bytes, all-gather (dp-1)/dp of its parameter bytes
+The demo counts every collective of one step with common.traffic(), each under its group's ranks, and asserts
+these forms; then it evaluates them for a real model (hidden 4096, 32 layers, ... , bf16) at NVLink and
+InfiniBand bandwidths: formulas checked small, used at scale.
+
+    torchrun --nproc-per-node=8 10_3d_parallel.py            (1, 2, 4 ranks too; GRID=dpxppxtp picks the grid)
+    torchrun --nproc-per-node=8 10_3d_parallel.py hidden=8192 layers=80 tp=8 pp=8 dp=16  (the scale table)
+"""
+import contextlib
+import importlib
+import math
+from types import SimpleNamespace
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ---- building blocks: the lessons' blocks, composed (needs 05-09 beside it, and torch) -------------------------
+tp_layers = importlib.import_module("05_tp_layers")          # Column/RowParallelLinear, attention, MLP
+seq_par = importlib.import_module("06_sequence_parallel")    # sequence-parallel regions, SP gradient all-reduce
+vocab_par = importlib.import_module("07_vocab_parallel")     # VocabParallelEmbedding, the vocab-parallel loss
+pipeline = importlib.import_module("08_pipeline_1f1b")       # schedule_1f1b, P2PCommunicator, run_schedule
+data_par = importlib.import_module("09_ddp_zero2")           # ZeRO-2
+
+
+class Grid:
+    """dp x pp x tp process groups, tp fastest: rank = (d * pp + p) * tp + t. Every rank creates every group, in
+    the same order (dist.new_group's rule). self.tp / .pp / .dp / .embedding: this rank's groups; self.ranks:
+    {kind: [global ranks of each group]}; self.d, .p, .t: this rank's coordinates."""
+
+    def __init__(self, dp, pp, tp):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if dp * pp * tp != world:
+            raise ValueError(f"grid dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but the world has {world}")
+        self.dp_size, self.pp_size, self.tp_size = dp, pp, tp
+        self.d, self.p, self.t = rank // (pp * tp), rank // tp % pp, rank % tp
+        at = lambda d, p, t: (d * pp + p) * tp + t
+        pipes = [[at(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
+        self.ranks = {"tp": [[at(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
+                      "pp": pipes,
+                      "dp": [[at(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+                      "embedding": [sorted({ranks[0], ranks[-1]}) for ranks in pipes]}  # first + last stage
+        for kind, groups in self.ranks.items():
+            made = [dist.new_group(ranks) for ranks in groups]
+            setattr(self, kind, next(g for g, ranks in zip(made, groups) if rank in ranks))
+        self.is_first, self.is_last = self.p == 0, self.p == pp - 1
+
+
+class GPT(nn.Module):
+    """The model, in one process: tied embedding, L pre-LN blocks (causal attention, GeLU MLP), final LayerNorm."""
+
+    def __init__(self, vocab, hidden, heads, ffn, layers, dtype=None):
+        super().__init__()
+        kw = dict(dtype=dtype)
+        self.embed = nn.Embedding(vocab, hidden, **kw)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            ln1=nn.LayerNorm(hidden, **kw), attn=nn.MultiheadAttention(hidden, heads, bias=False, batch_first=True, **kw),
+            ln2=nn.LayerNorm(hidden, **kw),
+            mlp=nn.Sequential(nn.Linear(hidden, ffn, **kw), nn.GELU(), nn.Linear(ffn, hidden, **kw))))
+            for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden, **kw)
+
+    def forward(self, ids):                                           # ids [b, s] -> logits [b, s, V]
+        x = self.embed(ids)
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=x.device, dtype=x.dtype)
+        for blk in self.blocks:
+            h = blk.ln1(x)
+            x = x + blk.attn(h, h, h, need_weights=False, attn_mask=causal, is_causal=True)[0]
+            x = x + blk.mlp(blk.ln2(x))
+        return F.linear(self.ln_f(x), self.embed.weight)              # tied LM head
+
+
+class GPTStage(nn.Module):
+    """This rank's part of GPT: its stage's layers (all stages), the embedding (first stage), the final LayerNorm,
+    the tied head and the loss (last stage), every weight split over the TP group. Built from the one-process
+    model, so both start equal. forward: ids [b, s] (first stage) or [b, s/tp, h] -> [b, s/tp, h] or logits
+    [b, s, V/tp] (last stage)."""
+
+    def __init__(self, gpt: GPT, grid: Grid):
+        super().__init__()
+        tp, layers = grid.tp, len(gpt.blocks)
+        if layers % grid.pp_size:
+            raise ValueError(f"{layers} layers do not split evenly over {grid.pp_size} pipeline stages")
+        per = layers // grid.pp_size
+        self.group, self.is_first, self.is_last = tp, grid.is_first, grid.is_last
+        self.first_layer = grid.p * per
+        self.layers = nn.ModuleList()
+        for blk in gpt.blocks[self.first_layer:self.first_layer + per]:
+            mine = nn.ModuleDict(dict(
+                ln1=_copy(blk.ln1), ln2=_copy(blk.ln2),
+                attn=tp_layers.ParallelSelfAttention.from_dense(blk.attn, tp, sequence_parallel=True),
+                mlp=tp_layers.parallel_mlp(blk.mlp, tp, sequence_parallel=True)))
+            for p in (*mine.ln1.parameters(), *mine.ln2.parameters(), mine.mlp[2].bias):
+                p.sequence_parallel = True                            # applied to this rank's slice of s
+            self.layers.append(mine)
+        if self.is_first:
+            self.embed = vocab_par.VocabParallelEmbedding.from_dense(gpt.embed, tp)
+        if self.is_last:
+            self.ln_f = _copy(gpt.ln_f)
+            for p in self.ln_f.parameters():
+                p.sequence_parallel = True
+            tied = nn.Linear(gpt.embed.embedding_dim, gpt.embed.num_embeddings, bias=False, dtype=gpt.embed.weight.dtype)
+            tied.weight = gpt.embed.weight                            # [V, h]: column-parallel splits its rows
+            self.head = tp_layers.ColumnParallelLinear.from_dense(tied, tp, sequence_parallel=True)
+            if self.is_first:
+                self.head.weight = self.embed.weight                  # one stage: one Parameter, as in GPT
+
+    def tied_weight(self):
+        """The embedding's shard (first stage) or the head's copy of it (last stage); None on middle stages."""
+        return self.embed.weight if self.is_first else self.head.weight if self.is_last else None
+
+    def forward(self, x):
+        if self.is_first:                                             # ids [b, s] -> [b, s, h] -> [b, s/tp, h]
+            x = seq_par.scatter_to_sequence_parallel_region(self.embed(x), self.group, dim=1)
+        for blk in self.layers:
+            x = x + blk.attn(blk.ln1(x))
+            x = x + blk.mlp(blk.ln2(x))
+        return self.head(self.ln_f(x)) if self.is_last else x        # logits [b, s, V/tp]
+
+    def shards_of(self, gpt: GPT, val=torch.Tensor.detach):
+        """{name: this rank's slice of val(p) for gpt's parameter p} for every parameter here (val: the value,
+        or a gradient of it)."""
+        out = {}
+        if self.is_first:
+            out["embed.weight"] = val(gpt.embed.weight)[self.embed.vocab_start:self.embed.vocab_end]
+        for i, blk in enumerate(self.layers):
+            ref = gpt.blocks[self.first_layer + i]
+            for ln in ("ln1", "ln2"):
+                out.update({f"layers.{i}.{ln}.{n}": val(p) for n, p in ref[ln].named_parameters()})
+            out[f"layers.{i}.attn.qkv.weight"] = blk.attn.qkv.shard(
+                tp_layers.head_major(val(ref.attn.in_proj_weight), ref.attn.num_heads))[0]
+            out[f"layers.{i}.attn.proj.weight"] = blk.attn.proj.shard(val(ref.attn.out_proj.weight))[0]
+            for j in (0, 2):                                          # the MLP's column and row layers
+                w, b = blk.mlp[j].shard(val(ref.mlp[j].weight), val(ref.mlp[j].bias))
+                out[f"layers.{i}.mlp.{j}.weight"], out[f"layers.{i}.mlp.{j}.bias"] = w, b
+        if self.is_last:
+            out.update({f"ln_f.{n}": val(p) for n, p in gpt.ln_f.named_parameters()})
+            if not self.is_first:
+                out["head.weight"] = self.head.shard(val(gpt.embed.weight))[0]
+        return out
+
+
+def _copy(module):
+    clone = type(module)(module.normalized_shape, dtype=module.weight.dtype, device=module.weight.device)
+    clone.load_state_dict(module.state_dict())
+    return clone
+
+
+def finalize_grads(stage: GPTStage, grid: Grid):
+    """After the last micro-batch, before the DP reduction (Megatron's finalize_model_grads): sum over TP the
+    gradients SP applied to a slice of the sequence (06), and the tied weight's two halves over the embedding
+    group (first + last stage; nothing to do with one stage, where embedding and head are one Parameter).
+    The gradients are where ZeRO-2 adds them up: p.main_grad."""
+    # 06 reads p.grad; ZeRO-2 keeps p.grad None and the sum in p.main_grad: hand 06 stand-ins holding main_grad
+    marked = [SimpleNamespace(grad=p.main_grad, sequence_parallel=True) for p in stage.parameters()
+              if getattr(p, "sequence_parallel", False)]
+    seq_par.allreduce_sequence_parallel_grads(marked, group=grid.tp)
+    if grid.pp_size > 1 and stage.tied_weight() is not None:
+        dist.all_reduce(stage.tied_weight().main_grad, group=grid.embedding)  # a view of a flat bucket: contiguous
+
+
+def train_step(stage, model, comm, ids, targets, before_step=None):
+    """One step of this rank: the micro-batches through the pipeline in 1F1B order (08), their gradients added
+    up without DP traffic (no_sync); finalize_grads; ZeRO-2's reduce-scatter, step and all-gather (09). Returns
+    the mean loss over this replica's micro-batches on the last stage, else None."""
+    def loss_fn(logits, target):                                      # mean over the micro-batch's tokens
+        return vocab_par.vocab_parallel_cross_entropy(logits, target, group=stage.group).mean()
+
+    with model.no_sync():
+        loss, _, _ = pipeline.run_schedule(stage, pipeline.schedule_1f1b, comm, ids, targets, loss_fn)
+    finalize_grads(stage, model.grid)
+    if before_step is not None:
+        before_step()                                                 # (the demo checks the gradients here)
+    model.sync_gradients()                                            # one reduce-scatter per bucket
+    model.step()                                                      # AdamW on this rank's shard, all-gather
+    return loss
+
+
+def zero2(stage, grid, bucket_numel, **optimizer_kwargs):
+    """09's ZeRO-2 over the DP group, holding the grid for finalize_grads."""
+    model = data_par.ZeRO2(stage, bucket_numel, group=grid.dp, **optimizer_kwargs)
+    model.grid = grid
+    return model
+
+
+# ---- the closed forms of the docstring: bytes each rank sends in one step ---------------------------------------
+RING = {"all_reduce": lambda n: Fraction(2 * (n - 1), n), "all_gather": lambda n: n - 1,
+        "reduce_scatter": lambda n: Fraction(n - 1, n), "send": lambda n: 1, "recv": lambda n: 0}
+
+
+def step_traffic(c, stage):
+    """{(group kind, collective): (calls, bytes this rank sends)} for one step of pipeline stage `stage`.
+    c: hidden, ffn, layers, seq, vocab, micro (sequences per micro-batch), m (micro-batches), dp, pp, tp,
+    e (activation bytes), eg (gradient bytes), ep (parameter bytes), buckets (each bucket's elements)."""
+    t, pp, m = c["tp"], c["pp"], c["m"]
+    first, last, per = stage == 0, stage == pp - 1, c["layers"] // pp
+    A = c["micro"] * c["seq"] * c["hidden"] * c["e"]                 # one micro-batch's activation, whole
+    out = {}
+
+    def add(kind, op, n, calls, payload):                             # payload: the bytes handed in per call
+        if n > 1 and calls:
+            old = out.get((kind, op), (0, 0))
+            out[(kind, op)] = (old[0] + calls, old[1] + calls * RING[op](n) * payload)
+
+    add("tp", "all_gather", t, 4 * per * m, A // t)                   # per layer: 2 forward, 2 backward
+    add("tp", "reduce_scatter", t, 4 * per * m, A)
+    if first:
+        add("tp", "all_reduce", t, m, A)                              # the embedding
+        add("tp", "all_gather", t, m, A // t)                         # its split to the sequence, backward
+    if last:
+        add("tp", "all_gather", t, m, A // t)                         # the head's input
+        add("tp", "reduce_scatter", t, m, A)                          # its gradient
+        add("tp", "all_gather", t, m, 3 * c["micro"] * c["seq"] * c["e"])  # the loss: 3 numbers a token
+    sp_numel = 5 * c["hidden"] * per + (2 * c["hidden"] if last else 0)
+    add("tp", "all_reduce", t, 1, sp_numel * c["eg"])
+    add("pp", "send", pp, m * (2 - first - last), A // t)
+    add("pp", "recv", pp, m * (2 - first - last), A // t)
+    if first or last:
+        add("embedding", "all_reduce", min(pp, 2), 1, c["vocab"] // t * c["hidden"] * c["eg"])
+    for numel in c["buckets"]:
+        add("dp", "reduce_scatter", c["dp"], 1, numel * c["eg"])
+        add("dp", "all_gather", c["dp"], 1, numel // c["dp"] * c["ep"])
+    return out
+
+
+def stage_numel(c, stage):
+    """Elements of this stage's parameters on one TP rank: its share of ZeRO-2's buckets."""
+    h, f, t, per, pp = c["hidden"], c["ffn"], c["tp"], c["layers"] // c["pp"], c["pp"]
+    layer = 4 * h + 4 * h * h // t + (h * f + f) // t + f * h // t + h   # LNs, attention (no bias), MLP
+    return per * layer + (c["vocab"] // t * h if stage in (0, pp - 1) else 0) + (2 * h if stage == pp - 1 else 0)
+
+
+# ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+try:
+    from common import finish, head, launched_world_size, log, refuse, setup, traffic
+except ImportError:  # the blocks above, imported alone where common.py is absent
+    pass
+
+VOCAB, HIDDEN, HEADS, FFN, LAYERS, SEQ = 64, 16, 8, 32, 4, 8   # tp in 1, 2, 4, 8; pp in 1, 2, 4
+MICRO, M, STEPS = 2, 4, 3              # sequences per micro-batch, micro-batches per replica, optimizer steps
+HYPER = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+BUCKET = 10 ** 6                       # one bucket per stage: the DP bytes are exact, padding included
+SCALE = dict(hidden=4096, ffn=16384, layers=32, seq=8192, vocab=128256, micro=1, m=8, dp=8, pp=4, tp=8,
+             e=2, eg=4, ep=2, bucket=40_000_000, nvlink_GBps=450, ib_GBps=50)
+
+
+def choose_grid(world):
+    """GRID=dpxppxtp if given, else tp 2 if it divides W, then pp 2 if it divides the rest, dp the rest."""
+    import os
+    if os.environ.get("GRID"):
+        try:
+            dp, pp, tp = (int(v) for v in os.environ["GRID"].lower().split("x"))
+        except ValueError:
+            return None, f"GRID={os.environ['GRID']!r}: write it dpxppxtp, e.g. GRID=2x2x2"
+    else:
+        tp = 2 if world % 2 == 0 else 1
+        pp = 2 if world // tp % 2 == 0 else 1
+        dp = world // (tp * pp)
+    if dp * pp * tp != world or HEADS % tp or SEQ % tp or VOCAB % tp or FFN % tp or LAYERS % pp:
+        return None, (f"{world} ranks as dp {dp} x pp {pp} x tp {tp}: needs dp*pp*tp = {world}, tp dividing "
+                      f"heads {HEADS}, seq {SEQ}, vocab {VOCAB}, ffn {FFN}; pp dividing {LAYERS} layers")
+    return (dp, pp, tp), None
+
+
+def scale_overrides():
+    """key=value pairs from the command line and from SCALE="key=value,..." (numbers); unknown keys refused."""
+    import os
+    import sys
+    pairs = [p for p in os.environ.get("SCALE", "").replace(",", " ").split() + sys.argv[1:]]
+    out = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in SCALE or not value.replace(".", "", 1).isdigit():
+            return {}, f"{pair!r}: give key=number with key one of {', '.join(SCALE)}"
+        out[key] = type(SCALE[key])(float(value))
+    c = {**SCALE, **out}
+    if c["layers"] % c["pp"] or c["vocab"] % c["tp"] or c["seq"] % c["tp"] or c["ffn"] % c["tp"]:
+        return {}, f"at scale tp={c['tp']} must divide vocab, seq and ffn, and pp={c['pp']} the layers"
+    return out, None
+
+
+def batch(step, dp, device):
+    """The global batch of a step, the same on every rank: ids, targets [dp*M*MICRO, SEQ]; ids non-contiguous."""
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(VOCAB, (SEQ, dp * M * MICRO), generator=g).to(device).t()    # a transposed view
+    targets = torch.randint(VOCAB, (dp * M * MICRO, SEQ), generator=g).to(device)
+    targets[0, :4] = torch.tensor([0, VOCAB // 2 - 1, VOCAB // 2, VOCAB - 1])         # first/last row of shards
+    return ids, targets
+
+
+def show_grid(grid, world):
+    head(f"the grid: {world} ranks = dp {grid.dp_size} x pp {grid.pp_size} x tp {grid.tp_size}, tp fastest")
+    for kind, groups in grid.ranks.items():
+        log(f"{kind:9} groups: {' '.join(str(g) for g in groups)}")
+    want = {8: {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "embedding": [[0, 2], [1, 3], [4, 6], [5, 7]]},
+            4: {"tp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]], "dp": [[0], [1], [2], [3]],
+                "embedding": [[0, 2], [1, 3]]}}                          # the default grids, written out
+    if world in want and (grid.dp_size, grid.pp_size, grid.tp_size) in ((2, 2, 2), (1, 2, 2)):
+        assert grid.ranks == want[world], grid.ranks
+    mine = [dist.get_process_group_ranks(g) for g in (grid.tp, grid.pp, grid.dp, grid.embedding)]
+    assert all(dist.get_rank() in ranks for ranks in mine) and mine[0][grid.t] == dist.get_rank()
+    log("every rank is in one group of each kind; a TP group is consecutive ranks, the others strided")
+
+
+def train(grid, device):
+    """The same GPT trained STEPS steps in one process (whole batch) and on the grid; one step's traffic counted."""
+    head(f"{STEPS} AdamW steps on the grid against one process on the whole batch, float64")
+    torch.manual_seed(0)
+    gpt = GPT(VOCAB, HIDDEN, HEADS, FFN, LAYERS, dtype=torch.float64).to(device)
+    stage = GPTStage(gpt, grid)
+    model = zero2(stage, grid, BUCKET, **HYPER)
+    comm = pipeline.P2PCommunicator((MICRO, SEQ // grid.tp_size, HIDDEN), torch.float64, device, grid.pp)
+    opt = torch.optim.AdamW(gpt.parameters(), **HYPER)
+    rows = slice(grid.d * M * MICRO, (grid.d + 1) * M * MICRO)      # this replica's share of the batch
+    micro = lambda t: list(t[rows].split(MICRO))
+    for step in range(STEPS):
+        ids, targets = batch(step, grid.dp_size, device)
+        opt.zero_grad()
+        ref_loss = F.cross_entropy(gpt(ids).flatten(0, 1), targets.flatten())
+        ref_loss.backward()
+        check = None
+        if step == 0:      # this replica's share of the gradient: what ZeRO-2 is handed
+            share = F.cross_entropy(gpt(ids[rows]).flatten(0, 1), targets[rows].flatten())  # ZeRO-2 averages
+            share = dict(zip(gpt.parameters(), torch.autograd.grad(share, list(gpt.parameters()))))
+            check = lambda: check_grads(stage, gpt, share)
+        opt.step()
+        with traffic() if step == 1 else contextlib.nullcontext() as t:
+            loss = train_step(stage, model, comm, micro(ids), micro(targets), check)
+        counted = t if step == 1 else locals().get("counted")
+        check_loss(loss, ref_loss, grid)
+    log(f"loss of each of the {STEPS} steps == one process's on the whole batch (mean over DP on the last stage)")
+    params = model.full_parameters()                                  # waits for ZeRO-2's last all-gather
+    for name, want in stage.shards_of(gpt).items():
+        torch.testing.assert_close(params[name].detach(), want, rtol=1e-10, atol=1e-12, msg=lambda s: f"{name}: {s}")
+    log(f"after {STEPS} steps every parameter shard on every rank == its slice of the one-process GPT")
+    return counted, stage
+
+
+def check_grads(stage, gpt, share):
+    grads = {n: p.main_grad for n, p in stage.named_parameters()}
+    want = stage.shards_of(gpt, lambda p: share[p])
+    assert sorted(want) == sorted(grads), (sorted(want), sorted(grads))
+    for name, w in want.items():
+        torch.testing.assert_close(grads[name], w, rtol=1e-9, atol=1e-13, msg=lambda s: f"grad {name}: {s}")
+    log("step 1, before ZeRO-2: every gradient shard == one process's on this replica's micro-batches")
+
+
+def check_loss(loss, ref_loss, grid):
+    assert (loss is not None) == grid.is_last, loss
+    if grid.is_last:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=grid.dp)                         # the replicas' mean: the whole batch's
+        torch.testing.assert_close(loss / grid.dp_size, ref_loss.detach(), rtol=1e-12, atol=0)
+
+
+def tally(calls, grid):
+    """{(group kind, collective): (calls, bytes this rank sent)} from traffic().calls, each call's group known by
+    its ranks (a PP group and an embedding group may hold the same two ranks: P2P is the pipeline's). Calls on a
+    group of one rank move nothing and are left out; a group that is none of this rank's shows as its ranks."""
+    mine = {kind: tuple(dist.get_process_group_ranks(getattr(grid, kind))) for kind in grid.ranks}
+    out = {}
+    for op, ranks, nbytes in calls:
+        if len(ranks) == 1:
+            continue
+        kinds = [k for k, r in mine.items() if r == ranks] or [str(list(ranks))]
+        kind = "pp" if op in ("send", "recv") and "pp" in kinds else next(k for k in kinds if k != "pp" or len(kinds) == 1)
+        n, sent = out.get((kind, op), (0, 0))
+        out[(kind, op)] = (n + 1, sent + RING[op](len(ranks)) * nbytes)
+    return out
+
+
+def toy_config(grid):
+    c = dict(hidden=HIDDEN, ffn=FFN, layers=LAYERS, seq=SEQ, vocab=VOCAB, micro=MICRO, m=M, dp=grid.dp_size,
+             pp=grid.pp_size, tp=grid.tp_size, e=8, eg=8, ep=8)
+    c["buckets"] = [-(-stage_numel(c, grid.p) // grid.dp_size) * grid.dp_size]  # one bucket, padded to dp
+    return c
+
+
+def count_traffic(counted, grid):
+    head("one step's collectives, counted per group, against the docstring's closed forms")
+    got, want = tally(counted.calls, grid), step_traffic(toy_config(grid), grid.p)
+    assert got == want, (dist.get_rank(), sorted(got.items()), sorted(want.items()))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, got)
+    last = grid.ranks["pp"][0][-1]                                    # replica 0's last stage, TP rank 0
+    rows = sorted(set(everyone[0]) | set(everyone[last]))
+    log(f"{'group':10} {'collective':15} {'stage 0: calls':>15} {'bytes sent':>11} "
+        f"{f'stage {grid.pp_size - 1}: calls':>15} {'bytes sent':>11}")
+    for key in rows:
+        cells = [everyone[r].get(key, (0, 0)) for r in (0, last)]
+        log(f"{key[0]:10} {key[1]:15} " + " ".join(f"{n:>15} {int(b):>11}" for n, b in cells))
+    log(f"every rank: its calls and bytes per (group, collective) == the closed forms (A = {MICRO}x{SEQ}x{HIDDEN}x8 "
+        f"bytes, m = {M}, {LAYERS // grid.pp_size} layers a stage)")
+
+
+def scale(overrides):
+    """The closed forms asserted above, for a real model: bytes each rank sends per step, and the seconds."""
+    c = {**SCALE, **overrides}
+    head(f"the same forms at scale: hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, vocab {c['vocab']}, "
+         f"{c['m']} micro-batches of {c['micro']}, dp {c['dp']} x pp {c['pp']} x tp {c['tp']}")
+    link = {"tp": c["nvlink_GBps"], "pp": c["ib_GBps"], "dp": c["ib_GBps"], "embedding": c["ib_GBps"]}
+    log(f"activations {c['e']} bytes, gradients {c['eg']}, parameters {c['ep']}; TP on NVLink {c['nvlink_GBps']} "
+        f"GB/s, the rest on InfiniBand {c['ib_GBps']} GB/s per rank")
+    for stage in sorted({0, c["pp"] - 1}):
+        numel = stage_numel(c, stage)
+        c["buckets"] = [c["bucket"]] * (numel // c["bucket"]) + ([numel % c["bucket"]] if numel % c["bucket"] else [])
+        per_group = {}
+        for (kind, op), (n, sent) in step_traffic(c, stage).items():
+            calls, b = per_group.get(kind, (0, 0))
+            per_group[kind] = (calls + n, b + sent)
+        log(f"stage {stage} ({numel / 1e9:.2f} B parameters a rank): " + ", ".join(
+            f"{kind} {n} calls {float(b) / 1e9:.1f} GB {float(b) / 1e9 / link[kind]:.2f} s"
+            for kind, (n, b) in sorted(per_group.items())))
+    return c
+
+
+def main():
+    W = launched_world_size()
+    shape, why = choose_grid(W)
+    overrides, bad = scale_overrides()
+    if shape is None or bad:
+        refuse(why or bad)
+    rank, world, device = setup()
+    grid = Grid(*shape)
+    show_grid(grid, world)
+    counted, stage = train(grid, device)
+    count_traffic(counted, grid)
+    scale(overrides)
+    finish(f"a GPT on dp {grid.dp_size} x pp {grid.pp_size} x tp {grid.tp_size} (SP, vocab-parallel, 1F1B, ZeRO-2) "
+           f"== one process over {STEPS} steps; every group's bytes == the closed forms")
+
+
+if __name__ == "__main__":
+    main()
