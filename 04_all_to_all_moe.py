@@ -37,7 +37,7 @@ Gradients: the router is replicated, so its gradient is summed over ranks (as da
 expert lives on one rank and its gradient already covers every rank's tokens, through the all-to-all backward.
 
 Bytes each rank hands the collectives per forward (b bytes per element; the backward hands the same token
-rows again, not the counts):
+rows again, not the counts; at W = 1 no all-to-all runs):
     bare all-to-all of V bytes     V, of which (W-1)/W * V leave the rank (block i of rank i stays)
     padded MoE                     8E + 2 * E*C*h*b        (+ 8 for the all-reduce MAX when C is not fixed)
     ragged MoE                     8E + (K_out + K_in)*h*b
@@ -54,13 +54,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-# ---- building blocks (torch only) ------------------------------------------------------------------
+# ---- building blocks (torch only: this section pastes alone) ----------------------------------------------
 class _AllToAll(torch.autograd.Function):
     """forward: all-to-all with (output, input) split sizes; backward: all-to-all with the splits swapped."""
 
     @staticmethod
     def forward(ctx, x, output_split_sizes, input_split_sizes, group):
         ctx.splits, ctx.group = (output_split_sizes, input_split_sizes), group
+        if dist.get_world_size(group) == 1:             # one rank: x itself (the rule of lessons 03 and 05)
+            return x
         rows = x.shape[0] if output_split_sizes is None else sum(output_split_sizes)
         out = x.new_empty((rows, *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), output_split_sizes, input_split_sizes, group=group)
@@ -76,7 +78,7 @@ def all_to_all(x, output_split_sizes=None, input_split_sizes=None, group=None):
     """Differentiable all-to-all along dim 0. x's rows are cut into W blocks (input_split_sizes, or equal);
     block j goes to rank j; the result stacks the blocks from ranks 0..W-1 (output_split_sizes, or equal).
     Pass both split lists or neither; every rank's input_split_sizes[j] must equal rank j's
-    output_split_sizes[this rank]."""
+    output_split_sizes[this rank]. Ranks are group ranks; a group of one rank returns x itself."""
     W = dist.get_world_size(group)
     for name, s in (("input_split_sizes", input_split_sizes), ("output_split_sizes", output_split_sizes)):
         if s is not None and (len(s) != W or min(s) < 0):
@@ -187,30 +189,31 @@ class ExpertParallelMoE(nn.Module):
         return out
 
 
-# ---- demo ------------------------------------------------------------------------------------------
-from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402  (the demo's, not the blocks')
-from common import finish, head, launched_world_size, log, log_all, refuse, setup  # noqa: E402
+# ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+try:
+    from common import finish, head, launched_world_size, log, log_all, refuse, setup, traffic
+except ImportError:  # the blocks above, imported alone where common.py is absent
+    pass
 
 E, H, FFN, N = 8, 4, 8, 8        # experts, hidden size, expert hidden size, tokens per rank
 F64 = torch.float64
-A2A, AR = torch.ops.c10d.alltoall_base_, torch.ops.c10d.allreduce_   # what all_to_all_single, all_reduce run
 
 
-class CommBytes(CommDebugMode):
-    """CommDebugMode counts the collectives; this also adds up the bytes this rank hands them (their inputs)."""
+def parity_groups(W):
+    """[None (the world), this rank's parity group]: the even ranks and the odd ranks, where a group rank is not
+    the global rank ({0, 2} and {1, 3} at W = 4). new_group is collective: every rank creates both, in order."""
+    parity = [dist.new_group(list(range(p, W, 2))) for p in range(min(W, 2))]
+    return [None, parity[dist.get_rank() % 2]]
 
-    def __enter__(self):
-        self.handed = 0
-        return super().__enter__()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket is A2A:                    # args: output, input, group, split sizes, ...
-            self.handed += args[1].nbytes
-        elif func.overloadpacket is AR:                   # args: [tensor], group, op, ...
-            self.handed += args[0][0].nbytes
-        else:                                             # not a collective: skip CommDebugMode's bookkeeping,
-            return func(*args, **(kwargs or {}))          # which costs ~1 ms an op
-        return super().__torch_dispatch__(func, types, args, kwargs)
+def members_of(group):
+    members = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return members, len(members), dist.get_rank(group)
+
+
+def strided(t):
+    """t's values as a non-contiguous view (every other element of a buffer twice the size)."""
+    return torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
 
 
 def reference_moe(X, router, experts, k, capacity, n_per_rank):
@@ -233,37 +236,43 @@ def reference_moe(X, router, experts, k, capacity, n_per_rank):
     return (combine[..., None] * every).sum(1), idx, keep
 
 
-def moe_against_one_process(k, cf, rank, W, device):
-    """One MoE in one process, then its expert-parallel shards on both dispatch paths: the output and the
-    gradients of the input, the router and every expert must agree, and each path must hand the collectives
-    the bytes the docstring's formula gives for the reference's routing. Returns those bytes and the routing."""
+def moe_against_one_process(k, cf, group, device):
+    """One MoE in one process on the group's tokens, then its expert-parallel shards on both dispatch paths:
+    the output and the gradients of the input, the router and every expert must agree, the drops must follow
+    the capacity rule, and each path must hand the collectives the bytes the docstring's formula gives.
+    Returns those bytes and the routing."""
+    members, G, r = members_of(group)
     torch.manual_seed(k)                        # the same weights and tokens on every rank
     kw = dict(device=device, dtype=F64)
     router, experts = nn.Linear(H, E, bias=False, **kw), [make_expert(H, FFN, **kw) for _ in range(E)]
-    X = torch.randn(W * N, H, **kw, requires_grad=True)                     # rank r holds rows r*N .. r*N+N-1
-    G = torch.randn(W * N, H, **kw)                                         # upstream gradient
+    X = torch.randn(dist.get_world_size(), N, H, **kw)[members].flatten(0, 1).requires_grad_()  # group rank r:
+    dY = torch.randn(X.shape, **kw)                                         # rows r*N .. r*N+N-1; upstream grad
     cap = None if cf is None else math.ceil(cf * N * k / E)                 # the docstring's C
     ref, idx, keep = reference_moe(X, router, experts, k, cap, N)
-    (ref * G).sum().backward()
+    (ref * dY).sum().backward()
 
-    L, mine = E // W, slice(rank * N, (rank + 1) * N)
-    held = nn.ModuleList(experts[rank * L:(rank + 1) * L])                  # the experts this rank holds
+    L, mine = E // G, slice(r * N, (r + 1) * N)
+    held = nn.ModuleList(experts[r * L:(r + 1) * L])                        # the experts this rank holds
     # the formula's rows, from the reference's routing: ragged moves the kept ones, padded E*C each way
-    k_out, k_in = int(keep[mine].sum()), int((keep & (idx // L == rank)).sum())
-    C = cap if cap is not None else max(int(idx[r * N:(r + 1) * N].flatten().bincount(minlength=E).max())
-                                        for r in range(W))                  # the largest count, over ranks
+    k_out, k_in = int(keep[mine].sum()), int((keep & (idx // L == r)).sum())
+    C = cap if cap is not None else max(int(idx[s * N:(s + 1) * N].flatten().bincount(minlength=E).max())
+                                        for s in range(G))                  # the largest count, over ranks
     rows = {"ragged": k_out + k_in, "padded": 2 * E * C}
     handed, d_router = {}, []
     for path in ("ragged", "padded"):
-        moe = ExpertParallelMoE(H, FFN, E, k, cf, path == "padded", **kw)
+        moe = ExpertParallelMoE(H, FFN, E, k, cf, path == "padded", group=group, **kw)
         moe.router.load_state_dict(router.state_dict())
         moe.experts.load_state_dict(held.state_dict())
         x = X.detach()[mine].clone().requires_grad_()
-        with CommBytes() as fwd:
-            out = moe(x)
-        with CommBytes() as bwd:
-            (out * G[mine]).sum().backward()
-        assert torch.equal(moe.stats["keep"], keep[mine]), f"{path}: dropped other assignments than the reference"
+        with traffic() as fwd:
+            out = moe(strided(x))                                           # a non-contiguous input
+        with traffic() as bwd:
+            (out * dY[mine]).sum().backward()
+        kept, chosen = moe.stats["keep"], idx[mine]
+        if cap is not None:                     # the rule: at most C per expert, and only a full expert drops
+            per_expert = chosen[kept].bincount(minlength=E)
+            assert per_expert.max() <= cap and bool((per_expert[chosen[~kept]] == cap).all()), f"{path}: rule"
+        assert torch.equal(kept, keep[mine]), f"{path}: dropped other assignments than the reference"
         assert moe.stats["dropped"] == int((~keep[mine]).sum())
         torch.testing.assert_close(out, ref[mine])
         torch.testing.assert_close(x.grad, X.grad[mine])
@@ -272,16 +281,99 @@ def moe_against_one_process(k, cf, rank, W, device):
         d_router.append(moe.router.weight.grad)
         # forward: counts, dispatch, combine (+ the all-reduce MAX that finds C); backward: combine, dispatch
         find_C = 8 if path == "padded" and cf is None else 0
-        assert fwd.get_comm_counts() == {A2A: 3, **({AR: 1} if find_C else {})}, f"{path}: forward collectives"
-        assert bwd.get_comm_counts() == {A2A: 2}, f"{path}: backward collectives"
-        assert fwd.handed == 8 * E + find_C + rows[path] * H * 8, f"{path}: handed {fwd.handed} B forward"
-        assert bwd.handed == rows[path] * H * 8, f"{path}: handed {bwd.handed} B backward"
-        handed[path] = fwd.handed
+        a2a = 1 if G > 1 else 0                                             # one rank: no all-to-all runs
+        want = {**({"all_to_all": 3} if a2a else {}), **({"all_reduce": 1} if find_C else {})}
+        assert dict(fwd.counts) == want, f"{path}: forward {fwd.counts}"
+        assert dict(bwd.counts) == ({"all_to_all": 2} if a2a else {}), f"{path}: backward {bwd.counts}"
+        assert all(ranks == tuple(members) for _, ranks, _ in fwd.calls + bwd.calls), f"{path}: not on the group"
+        assert fwd.bytes.total() == a2a * (8 * E + rows[path] * H * 8) + find_C, f"{path}: {fwd.bytes} forward"
+        assert bwd.bytes.total() == a2a * rows[path] * H * 8, f"{path}: handed {bwd.bytes} backward"
+        handed[path] = fwd.bytes.total()
     assert handed["ragged"] <= handed["padded"], handed
     d_router = torch.stack(d_router)
-    dist.all_reduce(d_router)                                               # each rank saw only its own tokens
+    dist.all_reduce(d_router, group=group)                                  # each rank saw only its own tokens
     torch.testing.assert_close(d_router, router.weight.grad.expand_as(d_router))
     return handed, dict(C=C, k_out=k_out, k_in=k_in, dropped=int((~keep).sum()))
+
+
+def section_transpose(rank, W, device):
+    head("1. all-to-all is a transpose: block j of rank i becomes block i of rank j")
+    x = torch.tensor([10 * rank + j for j in range(W)], dtype=F64, device=device)  # rank i => [10i, 10i+1, ..]
+    y = all_to_all(x)
+    assert torch.equal(y, torch.tensor([10 * i + rank for i in range(W)], dtype=F64, device=device))
+    log_all(f"holds {x.long().tolist()} -> after all-to-all {y.long().tolist()}")  # rank j => [j, 10+j, ..]
+
+
+def section_ragged(device, groups):
+    head("2. ragged all-to-all and its backward: the gradient's blocks travel back transposed")
+    split = lambda i, j: (i + 2 * j) % 3                                     # rows rank i sends rank j (some 0)
+    for group in groups:
+        members, G, r = members_of(group)
+        torch.manual_seed(2)
+        ints = lambda rows: torch.randint(-9, 10, (rows, H), device=device).to(F64)
+        xs = [ints(sum(split(i, j) for j in range(G))) for i in range(G)]   # every rank's input, on every rank
+        gs = [ints(sum(split(i, j) for i in range(G))) for j in range(G)]   # every rank's upstream gradient
+        x = xs[r].clone().requires_grad_()
+        with traffic() as t:
+            y = all_to_all(strided(x), [split(i, r) for i in range(G)], [split(r, j) for j in range(G)], group)
+            y.backward(gs[r])
+        expected = torch.cat([xs[i].split([split(i, j) for j in range(G)])[r] for i in range(G)])
+        assert torch.equal(y, expected), "a block landed in the wrong place"
+        back = torch.cat([gs[j].split([split(i, j) for i in range(G)])[r] for j in range(G)])
+        assert torch.equal(x.grad, back), "a gradient block went back to the wrong place"
+        assert t.calls == ([("all_to_all", tuple(members), x.nbytes), ("all_to_all", tuple(members), y.nbytes)]
+                           if G > 1 else []), t.calls
+    log("rank i sends rank j (i+2j)%3 rows: blocks land transposed, gradients go back transposed, one all-to-all")
+    log("each way; on the world and the even / odd sub-groups, from a non-contiguous input")
+
+
+def section_round_trip(device, groups):
+    head("3. round trip: identity experts, gates 1/k: combine(dispatch(x)) == x")
+    k = 2
+    for group in groups:
+        members, G, r = members_of(group)
+        torch.manual_seed(3)
+        X = torch.randn(dist.get_world_size(), N, H, dtype=F64, device=device)[members]
+        idx = torch.rand(G, N, E, device=device).argsort(-1)[..., :k]     # k distinct experts per token
+        x, g = X[r].clone().requires_grad_(), torch.randn_like(X[r])
+        for padded in (False, True):
+            x.grad = None
+            out, _ = moe_all_to_all(strided(x), idx[r], torch.full(idx[r].shape, 1 / k, dtype=F64, device=device),
+                                    [nn.Identity()] * (E // G), E, padded=padded, group=group)
+            out.backward(g)
+            assert torch.equal(out, x) and torch.equal(x.grad, g), f"round trip padded={padded}"
+    log(f"k={k}, {N} tokens per rank, {E} experts: out == x and dx == upstream grad, exactly, ragged and padded, "
+        f"world and sub-groups")
+
+
+def section_moe(W, device, groups):
+    head("4. MoE layer, expert parallel == one process (output, d input, d router, d every expert)")
+    runs = {k: moe_against_one_process(k, None, None, device) for k in (1, 2)}
+    for k in (1, 2):
+        log(f"k={k}: {E} experts, {E // W} per rank, {W * N} tokens: equal for the ragged and the padded path")
+    moe_against_one_process(2, None, groups[1], device)
+    log(f"k=2 on the even / odd ranks as sub-groups ({E // len(members_of(groups[1])[0])} experts per rank): equal")
+
+    head("5. capacity: assignments beyond C per expert per rank are dropped")
+    for k, group in ((1, None), (2, None), (2, groups[1])):
+        _, route = moe_against_one_process(k, 0.5, group, device)
+        if group is None:
+            log(f"k={k}, capacity factor 0.5 -> C={route['C']}: {route['dropped']} of {W * N * k} assignments "
+                f"dropped, by the rule, as the reference; both paths equal")
+    log("k=2, cf 0.5 on the sub-groups: the same")
+    return runs
+
+
+def section_bytes(W, runs):
+    head("6. bytes each rank hands the collectives in one forward, counted by traffic()")
+    log("in every run above: padded == 8E + 2*E*C*h*b (+8 for MAX), ragged == 8E + (K_out+K_in)*h*b <= padded; "
+        "backward == the same rows")
+    handed, route = runs[2]
+    if W == 1:
+        return log("one rank: no all-to-all runs; the padded path hands only its 8 B all-reduce MAX")
+    pad, rag, C = handed["padded"], handed["ragged"], route["C"]
+    log_all(f"k=2: padded {pad:5d} B (C={C}: {E * C} rows each way) | ragged {rag:5d} B "
+            f"({route['k_out']} rows dispatched, {route['k_in']} returned) = {rag / max(pad, 1):.0%}")
 
 
 def main():
@@ -289,68 +381,14 @@ def main():
     if E % W:
         refuse(f"{E} experts cannot be spread evenly over {W} ranks; use a world size dividing {E} (1, 2, 4, 8)")
     rank, W, device = setup()
-    L, ints = E // W, lambda t: [int(v) for v in t.tolist()]
-
-    head("all-to-all is a transpose: block j of rank i becomes block i of rank j")
-    x = torch.tensor([10 * rank + j for j in range(W)], dtype=F64, device=device)  # rank i => [10i, 10i+1, ..]
-    y = all_to_all(x)
-    assert torch.equal(y, torch.tensor([10 * i + rank for i in range(W)], dtype=F64, device=device))
-    log_all(f"holds {ints(x)} -> after all-to-all {ints(y)}")              # rank j => [j, 10+j, 20+j, ..]
-
-    head("ragged all-to-all and its backward (adjoint test)")
-    split = lambda i, j: (i + 2 * j) % 3                                     # rows rank i sends rank j (some 0)
-    xs = [torch.randint(-9, 10, (sum(split(i, j) for j in range(W)), H), device=device).to(F64)
-          for i in range(W)]                                                # every rank's input, on every rank
-    gs = [torch.randint(-9, 10, (sum(split(i, j) for i in range(W)), H), device=device).to(F64)
-          for j in range(W)]                                                # every rank's upstream gradient
-    x = xs[rank].clone().requires_grad_()
-    y = all_to_all(x, [split(i, rank) for i in range(W)], [split(rank, j) for j in range(W)])
-    expected = torch.cat([xs[i].split([split(i, j) for j in range(W)])[rank] for i in range(W)])
-    assert torch.equal(y, expected), "a block landed in the wrong place"
-    y.backward(gs[rank])
-    sides = torch.stack([(y * gs[rank]).sum(), (x * x.grad).sum()]).detach()
-    dist.all_reduce(sides)                                                  # integer-valued: exact
-    assert sides[0] == sides[1], f"<a2a(x), g> = {sides[0]} but <x, a2a_T(g)> = {sides[1]}"
-    log(f"rank i sends rank j (i+2j)%3 rows: blocks land transposed; sum <a2a(x), g> = sum <x, grad> = "
-        f"{int(sides[0])}")
-
-    head("round trip: identity experts, gates 1/k: combine(dispatch(x)) == x")
-    X, k = torch.randn(W * N, H, dtype=F64, device=device), 2
-    idx = torch.rand(W * N, E, device=device).argsort(-1)[:, :k]             # k distinct experts per token
-    x, idx = X[rank * N:(rank + 1) * N].clone().requires_grad_(), idx[rank * N:(rank + 1) * N]
-    g = torch.randn_like(x)
-    for padded in (False, True):
-        x.grad = None
-        out, _ = moe_all_to_all(x, idx, torch.full(idx.shape, 1 / k, dtype=F64, device=device),
-                                [nn.Identity()] * L, E, padded=padded)
-        out.backward(g)
-        assert torch.equal(out, x) and torch.equal(x.grad, g), f"round trip padded={padded}"
-    log(f"k={k}, {N} tokens per rank, {E} experts: out == x and dx == upstream grad, exactly, ragged and padded")
-
-    head("MoE layer, expert parallel == one process (output, d input, d router, d every expert)")
-    runs = {}
-    for k in (1, 2):
-        runs[k] = moe_against_one_process(k, None, rank, W, device)
-        log(f"k={k}: {E} experts, {L} per rank, {W * N} tokens: equal for the ragged and the padded path")
-
-    head("capacity: assignments beyond C per expert per rank are dropped")
-    for k in (1, 2):
-        _, route = moe_against_one_process(k, 0.5, rank, W, device)
-        C, dropped = route["C"], route["dropped"]
-        assert 0 < dropped < W * N * k, "the capacity factor should drop some assignments, not all"
-        assert dropped >= W * (N * k - E * C)                               # pigeonhole: E*C slots for N*k
-        log(f"k={k}, capacity factor 0.5 -> C={C}: {dropped} of {W * N * k} assignments dropped, the "
-            f"reference's; the rest still equal, both paths")
-
-    head("bytes each rank hands the collectives in one forward, counted by CommDebugMode")
-    log("in every run above: padded == 8E + 2*E*C*h*b (+8 for MAX), ragged == 8E + (K_out+K_in)*h*b <= padded; "
-        "backward == the same rows")
-    handed, route = runs[2]
-    pad, rag, C = handed["padded"], handed["ragged"], route["C"]
-    log_all(f"k=2: padded {pad:5d} B (C={C}: {E * C} rows each way) | ragged {rag:5d} B "
-            f"({route['k_out']} rows dispatched, {route['k_in']} returned) = {rag / pad:.0%}")
+    groups = parity_groups(W)
+    section_transpose(rank, W, device)
+    section_ragged(device, groups)
+    section_round_trip(device, groups)
+    runs = section_moe(W, device, groups)
+    section_bytes(W, runs)
     finish("all-to-all transposes, its backward swaps the splits; the expert-parallel MoE equals one process "
-           "(k=1,2, padded and ragged, with drops); ragged moves only the routed rows")
+           "(k=1,2, padded and ragged, with drops, on the world and sub-groups); ragged moves only the routed rows")
 
 
 if __name__ == "__main__":
