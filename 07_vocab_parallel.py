@@ -5,25 +5,33 @@ and the logits (tokens x vocabulary) its largest activation. Megatron-LM splits 
 over the tensor-parallel group: rank i holds rows [i*V/W, (i+1)*V/W) of the (tied) embedding table.
 
   embedding   ids (every rank)  -- look up the rows held here, zero the others -->  partial (N, D)
-              -- all-reduce SUM -->  every rank holds the full (N, D) embeddings
-  LM head     hidden (N, D) @ W_i^T  -->  rank i holds logits[:, i*V/W : (i+1)*V/W], never all V columns
-  loss        rank 0: logits[:, 0:V/W]     rank 1: logits[:, V/W:2V/W]   ...   three all-reduces of N numbers:
-                max of its slice      -- all-reduce MAX -->  m           (global max: exp never overflows)
-                sum of exp(z - m)     -- all-reduce SUM -->  S           (softmax denominator)
-                z_target - m if it holds the target, else 0
-                                      -- all-reduce SUM -->  z_target - m
-                loss = log S - (z_target - m), the same on every rank
+              -- all-reduce SUM (g) -->  every rank holds the full (N, D) embeddings
+  LM head     hidden (N, D) --f--> @ W_i^T  -->  rank i holds logits[:, i*V/W : (i+1)*V/W], never all V columns
+  loss        rank i reduces its slice to 3 numbers per token, relative to its own max m_i:
+                m_i = max of its slice,  s_i = sum of exp(z - m_i),  c_i = its share of the target logit
+                (and of the label-smoothing sum), minus m_i
+              -- ONE all-gather of 3N numbers -->  every rank holds (m, s, c) of every rank, and merges them:
+                M = max_i m_i,   S = sum_i s_i * exp(m_i - M),   loss = log S - sum_i c_i - (corrections in m_i - M)
               backward: softmax - one_hot on the local slice, no communication
 
-Label smoothing eps means what F.cross_entropy(label_smoothing=eps) means: the target distribution is
-(1 - eps) * one_hot + eps / V over the GLOBAL vocabulary V, so the loss subtracts eps * mean(z - m) over all V
-logits. That sum is linear, so it rides in the third all-reduce: still three. Averaging over the local V/W
-slice instead (NVIDIA/Megatron-LM#737) gives every rank a different, wrong loss.
+The merge is the log-sum-exp rule of online softmax: 06's ring attention merges the blocks of one row of
+scores the same way, and flash attention the tiles. Megatron's form (and PyTorch's loss_parallel) issues three
+all-reduces instead: MAX of m_i, SUM of exp(z - M), SUM of the target logit; it stays below as
+megatron_vocab_parallel_cross_entropy, the form met elsewhere. Computed in fp32 at least (bf16/fp16 upcast).
 
-Bytes each rank sends (ring all-reduce: 2(W-1)/W of its payload; b bytes per element, N tokens):
-  embedding forward, and LM-head backward (dL/dhidden): 2(W-1)/W * N*D*b each
-  the loss: 3 * 2(W-1)/W * N*b, independent of V; gathering the logits would send (W-1)/W * N*V*b instead
-  and hold all N*V of them on every rank.
+Label smoothing eps means what F.cross_entropy(label_smoothing=eps) means: the target distribution is
+(1 - eps) * one_hot + eps / V over the GLOBAL vocabulary V, so the loss subtracts eps * mean(z) over all V
+logits. That sum is linear, so it rides in c_i. Averaging it over the local V/W slice instead
+(NVIDIA/Megatron-LM#737) gives every rank a different, wrong loss.
+
+Bytes each rank sends (b bytes per element: 4, fp32 inside; N tokens; ring algorithms):
+  embedding forward, and LM-head backward (dL/dhidden): 2(W-1)/W * N*D*b each (one all-reduce)
+  the loss: one all-gather of 3N numbers: (W-1) * 3N*b;  Megatron's three all-reduces of N: 3 * 2(W-1)/W * N*b.
+  Both are independent of V; gathering the logits would send (W-1)/W * N*V*b and hold all N*V on every rank.
+When does one all-gather beat three all-reduces? A collective costs a latency a (launch, handshakes) plus
+bytes/bandwidth. The all-gather saves 2a and sends 3(W-1)(W-2)/W * N*b bytes more: at W <= 2 it always wins;
+at W = 8, a = 20 us and 100 GB/s it wins while 15.75 * N*b < 4 MB, i.e. N < 63k tokens per micro-batch (fp32):
+the loss moves a few bytes per token, so it is latency-bound, and one collective beats three.
 
     torchrun --nproc-per-node=4 07_vocab_parallel.py
 """
@@ -34,6 +42,10 @@ import torch.nn.functional as F
 
 
 # ---- building blocks (torch only) ---------------------------------------------------------------------
+# torch 2.13 renamed these two collectives (the old names warn there); older torch has only the old names
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def vocab_range(vocab_size: int, group=None):
     """Rows [start, end) of a vocabulary of `vocab_size` that this rank of `group` holds."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -43,20 +55,32 @@ def vocab_range(vocab_size: int, group=None):
     return rank * per_rank, (rank + 1) * per_rank
 
 
-def _reduce(x, group):
-    """All-reduce (sum) into a new tensor; `x` is left as it was."""
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
-    return out
+# private helpers (Megatron's mappings.py); a group of one rank gets its input back
+def _reduce(x, group, op=dist.ReduceOp.SUM):
+    """x reduced over the group (SUM, or MAX) into a new tensor; the caller's x is left alone. As in 05."""
+    if dist.get_world_size(group) == 1:
+        return x
+    x = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _gather_along_new_first_dim(x, group):
+    """Every rank's x, stacked in group-rank order: (W, *x.shape)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x.unsqueeze(0)
+    out = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
+    all_gather_single(out, x.contiguous().view(-1), group=group)
+    return out.view(size, *x.shape)
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
-    """forward: identity; backward: all-reduce (the `f` operator)."""
-
+    """forward: identity; backward: all-reduce (the f operator). As in 05."""
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group=None):
         ctx.group = group
-        return x.view_as(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
@@ -64,10 +88,9 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
-    """forward: all-reduce; backward: identity (the `g` operator)."""
-
+    """forward: all-reduce; backward: identity (the g operator, conjugate of f). As in 05."""
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group=None):
         return _reduce(x, group)
 
     @staticmethod
@@ -75,12 +98,9 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-def copy_to_tensor_model_parallel_region(x, group=None):
-    return _CopyToModelParallelRegion.apply(x, group)
-
-
-def reduce_from_tensor_model_parallel_region(x, group=None):
-    return _ReduceFromModelParallelRegion.apply(x, group)
+# Megatron's public names, each called as name(x, group=None); as in 05
+copy_to_tensor_model_parallel_region = _CopyToModelParallelRegion.apply
+reduce_from_tensor_model_parallel_region = _ReduceFromModelParallelRegion.apply
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -110,8 +130,9 @@ class VocabParallelEmbedding(nn.Module):
                 or embedding.sparse:
             raise ValueError("from_dense copies plain embeddings only "
                              "(padding_idx=None, max_norm=None, scale_grad_by_freq=False, sparse=False)")
-        w = embedding.weight
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device=w.device, dtype=w.dtype)
+        w = embedding.weight  # built on "meta", then allocated: no random init, so every rank's RNG stays in step
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device="meta", dtype=w.dtype)
+        layer = layer.to_empty(device=w.device)
         with torch.no_grad():
             layer.weight.copy_(w[layer.vocab_start:layer.vocab_end])
         return layer
@@ -132,119 +153,237 @@ def parallel_lm_logits(hidden, weight_shard, group=None):
     return F.linear(copy_to_tensor_model_parallel_region(hidden, group), weight_shard)  # (..., D) @ (D, V/W)
 
 
+def _target_columns(target, per_rank, rank):
+    """Where each token's target lies for this rank: (held here, its local column; any valid column elsewhere)."""
+    start = rank * per_rank
+    held = (target >= start) & (target < start + per_rank)
+    return held, (target - start).masked_fill(~held, 0)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """forward: one all-gather of 3 numbers per token, merged by log-sum-exp; backward: local, no communication."""
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, ignore_index, group):
+        eps, world, rank = label_smoothing, dist.get_world_size(group), dist.get_rank(group)
+        per_rank = logits.size(-1)
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))    # fp32 inside; never written to
+        valid = target != ignore_index
+        held, local_target = _target_columns(target, per_rank, rank)
+        held &= valid                                                      # an ignore_index inside [0, V)
+        owner = target.masked_fill(~valid, 0).div(per_rank, rounding_mode="floor")  # the rank holding the target
+        # this rank's 3 numbers per token, each relative to its own max m_i (no exp overflows)
+        m = z.amax(dim=-1)                                                 # (...,)
+        shifted = z - m.unsqueeze(-1)                                      # (..., V/W) new: the input stays as is
+        s = shifted.exp().sum(dim=-1)                                      # sum of exp(z - m_i) over the slice
+        c = (1 - eps) * shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~held, 0.0)
+        if eps:  # + eps/V * (sum of the slice's z - m_i): linear, so it rides in c
+            c = c + (eps / (per_rank * world)) * shifted.sum(dim=-1)
+        m_all, s_all, c_all = _gather_along_new_first_dim(torch.stack([m, s, c]), group).unbind(1)  # (W, ...) each
+        # the log-sum-exp merge. loss = logsumexp(z) - (1-eps) z_target - eps/V sum(z); write each z as
+        # (z - m_i) + (m_i - M) + M: the M's cancel, the (z - m_i) are in s and c, the (m_i - M) are below
+        rel = m_all - m_all.amax(dim=0)                                    # (W, ...) m_i - M <= 0
+        log_s = (s_all * rel.exp()).sum(dim=0).log()                       # log sum over all V of exp(z - M)
+        loss = (log_s - c_all.sum(dim=0) - (1 - eps) * rel.gather(0, owner.unsqueeze(0)).squeeze(0)
+                - (eps / world) * rel.sum(dim=0))                         # raises if a target is outside [0, V)
+        # backward recomputes the softmax exp(z - m - d) from the logits: no (N, V/W) fp32 copy is kept
+        ctx.save_for_backward(logits, m, log_s - rel[rank], held, local_target, valid)
+        ctx.label_smoothing, ctx.vocab = eps, per_rank * world
+        return loss.masked_fill(~valid, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, m, d, held, local_target, valid = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        # dloss/dz = softmax - (1 - eps) * one_hot - eps / V, on this rank's V/W columns only
+        grad = (logits.to(m.dtype) - m.unsqueeze(-1) - d.unsqueeze(-1)).exp_().sub_(eps / ctx.vocab)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), (-(1.0 - eps) * held.to(grad.dtype)).unsqueeze(-1))
+        grad.mul_(torch.where(valid, grad_loss, 0.0).unsqueeze(-1))   # where: 0 even for an inf grad (mean of none)
+        return grad.to(logits.dtype), None, None, None, None
+
+
+def _check_loss_args(logits, target, label_smoothing, reduction):
+    if target.shape != logits.shape[:-1] or target.is_floating_point():
+        raise ValueError(f"target must hold class indices of shape {tuple(logits.shape[:-1])} (the logits' shape "
+                         f"without the vocab dimension); got {target.dtype} {tuple(target.shape)}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1]")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}; use 'none', 'mean' or 'sum'")
+
+
+def _reduce_loss(loss, valid, reduction, dtype):
+    """The per-token loss (fp32) as F.cross_entropy reduces it, in `dtype`: "mean" over the tokens not ignored."""
+    if reduction == "mean":
+        loss = loss.sum() / valid.sum()  # nan when every token is ignored, as F.cross_entropy
+    elif reduction == "sum":
+        loss = loss.sum()
+    return loss.to(dtype)
+
+
+def vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0, group=None, ignore_index=-100,
+                                 reduction="mean"):
+    """F.cross_entropy(full_logits, target, label_smoothing=..., ignore_index=..., reduction=...) from this
+    rank's (..., V/W) slice of the full logits, with one all-gather of 3 numbers per token and nothing in
+    backward. target (...) holds classes in [0, V) or ignore_index (loss 0, gradient 0); reduction "mean"
+    (the default, as F.cross_entropy's) averages over the tokens not ignored, "sum" adds, "none" gives the
+    per-token loss (Megatron's). Computed in fp32 at least; the loss and the gradient come in the logits'
+    dtype. Every rank of `group` returns the same loss; the caller's logits are never modified."""
+    _check_loss_args(logits, target, label_smoothing, reduction)
+    loss = _VocabParallelCrossEntropy.apply(logits, target, float(label_smoothing), ignore_index, group)
+    return _reduce_loss(loss, target != ignore_index, reduction, logits.dtype)
+
+
+class _MegatronVocabParallelCrossEntropy(torch.autograd.Function):
     """forward: three all-reduces of one number per token (MAX, SUM, SUM); backward: local, no communication."""
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, group):
-        vocab_local = logits.size(-1)
-        vocab = vocab_local * dist.get_world_size(group)
-        start = dist.get_rank(group) * vocab_local
-        m = logits.max(dim=-1).values                                   # (...,) local max
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)           # (...,) global max
-        shifted = logits - m.unsqueeze(-1)                              # (..., V/W) new: the input stays as is
+        eps, per_rank = label_smoothing, logits.size(-1)
+        vocab = per_rank * dist.get_world_size(group)
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        m = _reduce(z.amax(dim=-1), group, dist.ReduceOp.MAX)               # (...,) global max: exp never overflows
+        shifted = z - m.unsqueeze(-1)                                      # (..., V/W) new: the input stays as is
         exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)                           # (...,) S over all V columns
-        # the target's logit: one per row, gathered on the rank that holds it; 0 on the others
-        held = (target >= start) & (target < start + vocab_local)
-        local_target = (target - start).masked_fill(~held, 0)           # any valid column; zeroed below
+        sum_exp = _reduce(exp.sum(dim=-1), group)                          # (...,) S over all V columns
+        held, local_target = _target_columns(target, per_rank, dist.get_rank(group))
         picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~held, 0.0)
-        target_term = (1.0 - label_smoothing) * picked                  # (...,)
-        if label_smoothing:  # + eps/V * sum of all V logits: linear, so it shares the all-reduce
-            target_term += (label_smoothing / vocab) * shifted.sum(dim=-1)
-        dist.all_reduce(target_term, group=group)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))                       # (..., V/W), reusing exp's buffer
+        target_term = (1.0 - eps) * picked                                 # z_target - M on its rank, else 0
+        if eps:  # + eps/V * sum of all V logits: linear, so it shares the third all-reduce
+            target_term = target_term + (eps / vocab) * shifted.sum(dim=-1)
+        target_term = _reduce(target_term, group)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))                          # (..., V/W), reusing exp's buffer
         ctx.save_for_backward(softmax, held, local_target)
-        ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
+        ctx.label_smoothing, ctx.vocab, ctx.dtype = eps, vocab, logits.dtype
         return sum_exp.log() - target_term
 
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, held, local_target = ctx.saved_tensors
         eps = ctx.label_smoothing
-        # dloss/dz = softmax - (1 - eps) * one_hot - eps / V, on this rank's V/W columns only
         grad = softmax - eps / ctx.vocab
         grad.scatter_add_(-1, local_target.unsqueeze(-1), (-(1.0 - eps) * held.to(grad.dtype)).unsqueeze(-1))
-        return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None
+        return grad.mul_(grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, group=None):
-    """Per-token loss, as F.cross_entropy(logits, target, label_smoothing=..., reduction="none") on the full
-    logits, from this rank's (..., V/W) slice of them. Targets lie in [0, V); there is no ignore_index
-    (multiply the per-token loss by a mask instead). Every rank returns the same loss."""
-    if target.shape != vocab_parallel_logits.shape[:-1]:
-        raise ValueError(f"target shape {tuple(target.shape)} must equal the logits' shape without the vocab "
-                         f"dimension, {tuple(vocab_parallel_logits.shape[:-1])}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1]")
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, float(label_smoothing), group)
+def megatron_vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0, group=None, reduction="mean"):
+    """The same loss in Megatron-LM's form, three all-reduces of N numbers; targets in [0, V) (no ignore_index).
+    Otherwise as vocab_parallel_cross_entropy."""
+    _check_loss_args(logits, target, label_smoothing, reduction)
+    loss = _MegatronVocabParallelCrossEntropy.apply(logits, target, float(label_smoothing), group)
+    return _reduce_loss(loss, torch.ones_like(target, dtype=torch.bool), reduction, logits.dtype)
 
 
-# ---- demo ---------------------------------------------------------------------------------------------
-V, D, B, T = 48, 16, 2, 6  # 48 rows split evenly over 1, 2, 3, 4, 6 or 8 ranks; N = B*T tokens
+# ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+try:
+    from common import finish, head, launched_world_size, log, log_all, refuse, setup, traffic
+except ImportError:  # the blocks above, imported alone where common.py is absent
+    pass
+
+V, D, B, T = 384, 16, 2, 12  # 384 rows split evenly over 1, 2, 3, 4, 6 or 8 ranks and their halves; N = B*T
+N = B * T
+TOL = {torch.float64: {}, torch.bfloat16: dict(rtol=2 ** -8, atol=1e-6), torch.float16: dict(rtol=2 ** -10, atol=1e-6)}
+# bf16/fp16 against float64: fp32 inside, then one rounding to 8 (bf16) or 11 (fp16) bits, at most half of rtol
 
 
-def main():
-    from common import finish, head, launched_world_size, log, log_all, refuse, setup
-    if V % launched_world_size():
-        refuse(f"the vocabulary of {V} rows does not split evenly over {launched_world_size()} ranks; "
-               f"use 1, 2, 3, 4, 6 or 8")
-    from torch.distributed.tensor.debug import CommDebugMode
+def tokens(device, world):
+    """(B, T) ids: 0, V-1 and every rank's first and last row (for W ranks and for W/2), one repeated, then a
+    fixed pattern; shuffled alike on every rank."""
+    rows = sorted({row for w in {world, (world + 1) // 2, max(world // 2, 1)} for r in range(w)
+                   for row in (r * V // w, (r + 1) * V // w - 1)})
+    rows += rows[:1] + [(13 * i + 5) % V for i in range(N - len(rows) - 1)]
+    return torch.tensor(rows, device=device)[torch.randperm(N, device=device)].view(B, T)
 
-    class Watch(CommDebugMode):
-        """CommDebugMode counts collectives; this also adds up the elements all-reduced and the size of the
-        largest tensor any op makes. CommDebugMode is a dispatch mode: it sees every op, those autograd runs in
-        backward too (torch.cuda's memory statistics would, on CUDA only). Its module tracker puts a backward
-        hook on every module called inside it, and torch warns when that hook fires on a module whose only
-        input is integer ids: so an embedding is counted in a no_grad forward, and runs for backward outside."""
 
-        def __enter__(self):
-            self.reduced, self.largest = 0, 0
-            return super().__enter__()
+def ranks_of(group):
+    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
 
-        def __exit__(self, *exc):
-            super().__exit__(*exc)
-            self.all_reduces = self.get_comm_counts()[torch.ops.c10d.allreduce_]
-            assert self.get_total_counts() == self.all_reduces, "only all-reduces expected"
+
+def same_on_every_rank(t, group=None):
+    w = dist.get_world_size(group)
+    gathered = torch.empty(w * t.numel(), dtype=torch.float64, device=t.device)
+    all_gather_single(gathered, t.detach().reshape(-1).to(torch.float64), group=group)
+    return all(g.isclose(gathered[:t.numel()], rtol=0, atol=0, equal_nan=True).all() for g in gathered.split(t.numel()))
+
+
+def largest_tensor():
+    """A dispatch mode remembering the element count of the largest tensor any op makes inside it (those
+    autograd runs in backward too): what "no rank ever holds N x V numbers" means, checked."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            if func._overloadpacket is torch.ops.c10d.allreduce_:
-                self.reduced += sum(t.numel() for t in args[0])
-            outs = out if isinstance(out, (tuple, list)) else (out,)  # an op returns a tensor or a tuple of them
-            self.largest = max([self.largest] + [t.numel() for t in outs if torch.is_tensor(t)])
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.numel = max([self.numel] + [t.numel() for t in outs if isinstance(t, torch.Tensor)])
             return out
 
-    rank, world, device = setup()
-    f64 = dict(device=device, dtype=torch.float64)  # float64: exact sums, tight comparisons
-    N = B * T
+    return Largest()
 
-    def same_on_every_rank(t):
-        gathered = torch.empty(world * t.numel(), **f64)
-        dist.all_gather_single(gathered, t.detach().reshape(-1).to(torch.float64))
-        return all(torch.equal(g, gathered[:t.numel()]) for g in gathered.split(t.numel()))
 
-    head("1. VocabParallelEmbedding: each rank looks up the rows it holds, one all-reduce sums them")
-    dense = nn.Embedding(V, D, **f64)
-    ids = ((torch.arange(N, device=device) * 13 + 5) % V).view(B, T)  # ids in every rank's rows
-    ids[-1, -1] = ids[0, 0]                                           # a repeated id: its grad accumulates
-    layer = VocabParallelEmbedding.from_dense(dense)
+def check_embedding(group, device):
+    """VocabParallelEmbedding on `group` against nn.Embedding (exact): output, weight grad, traffic."""
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    dense = nn.Embedding(V, D, device=device, dtype=torch.float64)
+    ids = tokens(device, dist.get_world_size()).t()                  # (T, B): a non-contiguous view
+    layer = VocabParallelEmbedding.from_dense(dense, group)
     lo, hi = layer.vocab_start, layer.vocab_end
-    assert (lo, hi) == (rank * V // world, (rank + 1) * V // world) and torch.equal(layer.weight, dense.weight[lo:hi])
-    held = int(((ids >= lo) & (ids < hi)).sum())
-    assert held > 0
-    grad_out = torch.randn(B, T, D, **f64)
+    assert (lo, hi) == (r * V // w, (r + 1) * V // w) and torch.equal(layer.weight, dense.weight[lo:hi])
+    grad_out = torch.randn(T, B, D, device=device, dtype=torch.float64)
     ref = dense(ids)
     ref.backward(grad_out)
-    out = layer(ids)                                                  # (B, T, D) on every rank
-    with Watch() as bwd:
+    with traffic() as fwd:
+        out = layer(ids)                                             # (T, B, D) on every rank
+    with traffic() as bwd:
         out.backward(grad_out)
-    with Watch() as fwd, torch.no_grad():                             # the forward again, counted (see Watch)
-        counted = layer(ids)
-    assert torch.equal(out, ref) and torch.equal(counted, ref), "one nonzero term per token: the sum is exact"
+    assert torch.equal(out, ref), "one nonzero term per token: the sum is exact"
     assert torch.equal(layer.weight.grad, dense.weight.grad[lo:hi])
-    assert (fwd.all_reduces, fwd.reduced, bwd.all_reduces) == (1, N * D, 0)
+    assert fwd.calls == [("all_reduce", ranks_of(group), N * D * 8)] * (w > 1) and bwd.calls == []
+    return lo, hi, int(((ids >= lo) & (ids < hi)).sum())
+
+
+def check_loss(loss_fn, z, target, group=None, **options):
+    """loss_fn on this rank's slice of z (B, T, V), handed over as a non-contiguous view, against F.cross_entropy
+    on all of z in float64: the loss and dlogits under a non-uniform upstream grad, in z's dtype within TOL.
+    Also: every rank's loss is the same, the input is untouched, no tensor exceeds N x V/W elements.
+    Returns (loss, forward traffic, backward traffic)."""
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    lo, hi = r * V // w, (r + 1) * V // w
+    full = z.detach().double().requires_grad_()
+    ref = F.cross_entropy(full.view(N, V), target.view(N), **options)
+    ref = ref.view(B, T) if ref.dim() else ref
+    upstream = torch.randint(1, 9, ref.shape, device=z.device) / 8   # exact in every dtype
+    (ref * upstream).sum().backward()
+    leaf = z[..., lo:hi].transpose(0, 1).contiguous().requires_grad_()  # (T, B, V/W): its grad lands here
+    logits = leaf.transpose(0, 1)                                        # (B, T, V/W), not contiguous
+    before, version = leaf.detach().clone(), leaf._version
+    with largest_tensor() as big:
+        with traffic() as fwd:
+            loss = loss_fn(logits, target, group=group, **options)
+        with traffic() as bwd:
+            (loss * upstream.to(loss.dtype)).sum().backward()
+    assert loss.dtype == leaf.grad.dtype == z.dtype
+    torch.testing.assert_close(loss.double(), ref, equal_nan=True, **TOL[z.dtype])
+    torch.testing.assert_close(leaf.grad.transpose(0, 1).double(), full.grad[..., lo:hi], **TOL[z.dtype])
+    assert torch.equal(leaf, before) and leaf._version == version, "the input logits were modified"
+    assert big.numel == N * V // w, f"a tensor of {big.numel} elements: larger than the local N x V/W slice"
+    assert same_on_every_rank(loss, group) and bwd.calls == []
+    return loss, fwd
+
+
+def loss_calls(group, itemsize, megatron=False):
+    """What the loss hands to c10d: 3 all-reduces of N numbers, or 1 all-gather of 3N; none on one rank."""
+    if dist.get_world_size(group) == 1:
+        return []
+    return [("all_reduce", ranks_of(group), N * itemsize)] * 3 if megatron else \
+        [("all_gather", ranks_of(group), 3 * N * itemsize)]
+
+
+def section_embedding(rank, world, device):
+    head("1. VocabParallelEmbedding: each rank looks up the rows it holds, one all-reduce sums them")
+    lo, hi, held = check_embedding(None, device)
     log_all(f"holds rows [{lo}, {hi}): looks up {held} of the {N} ids; its other {N - held} outputs are zeros")
     log(f"output and weight-grad shards equal nn.Embedding's exactly; 1 all-reduce of N*D={N * D} forward, 0 backward")
     if world > 1:
@@ -254,66 +393,122 @@ def main():
         except ValueError as e:
             log(f"refused: {e}")
 
-    head("2. Vocab-parallel cross-entropy equals F.cross_entropy, with and without label smoothing")
-    logits = torch.randn(B, T, V, **f64) * 3
-    target = torch.randint(0, V, (B, T), device=device)
-    weights = torch.rand(B, T, **f64)  # d(sum of weighted losses)/dloss: a non-uniform upstream grad
-    for eps in (0.0, 0.1):
-        for scale in (1.0, 1000.0):
-            z = logits * scale
-            assert scale == 1 or not torch.isfinite(z.exp()).all(), "exp of these logits overflows"
-            full = z.clone().requires_grad_()
-            ref = F.cross_entropy(full.view(N, V), target.view(N), label_smoothing=eps, reduction="none")
-            (ref.view(B, T) * weights).sum().backward()
-            mine = z[..., lo:hi].clone().requires_grad_()             # (B, T, V/W): this rank's columns only
-            before, version = mine.detach().clone(), mine._version
-            with Watch() as fwd:
-                loss = vocab_parallel_cross_entropy(mine, target, label_smoothing=eps)
-            with Watch() as bwd:
-                (loss * weights).sum().backward()
-            torch.testing.assert_close(loss, ref.view(B, T))
-            torch.testing.assert_close(mine.grad, full.grad[..., lo:hi])
-            assert torch.equal(mine, before) and mine._version == version, "the input logits were modified"
-            assert (fwd.all_reduces, fwd.reduced, bwd.all_reduces, bwd.reduced) == (3, 3 * N, 0, 0)
-            assert max(fwd.largest, bwd.largest) == N * V // world, "a tensor larger than the local slice"
-            assert same_on_every_rank(loss)
-            log(f"eps={eps} logits x{scale:<6g}: loss and dlogits equal F.cross_entropy; 3 all-reduces of N={N} "
-                f"numbers forward, 0 backward; input untouched")
-            if eps and scale == 1 and world > 1:  # the smoothing term averaged over this rank's V/W columns only
-                wrong = ref.view(B, T) + eps * (z.mean(-1) - z[..., lo:hi].mean(-1))
-                assert not same_on_every_rank(wrong)
-                log(f"averaging the smoothing over the local V/W columns instead (Megatron-LM#737) gives each rank "
-                    f"a different loss, off by up to {(wrong - loss).abs().max().item():.2f}")
-    log(f"every rank returns the identical loss; the largest tensor any op made is N x V/W = {N * V // world} "
-        f"elements (full logits: {N * V})")
 
-    head("3. LM head with tied weights: embed, mix, logits from the embedding's own shard, loss")
+def section_loss(rank, world, device):
+    head("2. Cross-entropy in one all-gather, and Megatron's three all-reduces, against F.cross_entropy")
+    logits = torch.randn(B, T, V, device=device, dtype=torch.float64) * 3
+    target = tokens(device, world)                                   # every rank's first and last row
+    for eps in (0.0, 0.1):
+        for scale in (1.0, 1000.0):                                  # x1000: exp(z) overflows past z = 709
+            z = logits * scale
+            for megatron in (False, True):
+                fn = megatron_vocab_parallel_cross_entropy if megatron else vocab_parallel_cross_entropy
+                _, fwd = check_loss(fn, z, target, label_smoothing=eps, reduction="none")
+                assert fwd.calls == loss_calls(None, 8, megatron)
+            log(f"eps={eps} logits x{scale:<6g}(|z| <= {z.abs().max():.0f}): both forms' loss and dlogits equal "
+                f"F.cross_entropy")
+    b = 8  # float64 here
+    log(f"forward: 1 all-gather of 3 numbers per token (Megatron: 3 all-reduces of 1); backward: nothing, both")
+    log(f"N={N}, b={b}: both hand in 3N*b = {3 * N * b} B; the all-gather sends (W-1)*3N*b = "
+        f"{(world - 1) * 3 * N * b} B, the all-reduces 6(W-1)/W*N*b = {6 * (world - 1) * N * b // world} B")
+    log(f"every rank returns the identical loss; the input is untouched; the largest tensor any op made is "
+        f"N x V/W = {N * V // world} elements (the full logits: {N * V})")
+
+
+def section_dtypes(rank, world, device):
+    head("3. bf16 and fp16 logits (fp32 inside), ignore_index, reduction")
+    target = tokens(device, world)
+    ignored = torch.arange(N, device=device).view(B, T) % 5 == 2    # every fifth token
+    for dtype in (torch.bfloat16, torch.float16):
+        z = (torch.randn(B, T, V, device=device) * 3).to(dtype)
+        for reduction, ignore_index in (("none", -100), ("mean", -100), ("sum", 7)):
+            _, fwd = check_loss(vocab_parallel_cross_entropy, z, target.masked_fill(ignored, ignore_index),
+                                label_smoothing=0.1, ignore_index=ignore_index, reduction=reduction)
+            assert fwd.calls == loss_calls(None, 4), "the fp32 numbers are gathered"
+        _, fwd = check_loss(megatron_vocab_parallel_cross_entropy, z, target, label_smoothing=0.1)
+        assert fwd.calls == loss_calls(None, 4, megatron=True)
+        name = str(dtype).removeprefix("torch.")
+        log(f"{name}: loss (per token; mean over the tokens not ignored; sum) and dlogits, in {name}, equal "
+            f"F.cross_entropy in float64 within rtol={TOL[dtype]['rtol']:.2g}; Megatron's form too")
+    z = torch.randn(B, T, V, device=device, dtype=torch.float64)
+    loss, _ = check_loss(vocab_parallel_cross_entropy, z, torch.full_like(target, -100))  # the default: mean
+    assert loss.isnan()
+    log("every token ignored: the mean is nan and the gradient 0, as F.cross_entropy's")
+    if device.type == "cpu":  # a CUDA kernel asserts on the device instead, as F.cross_entropy's does
+        for bad in (-1, V):
+            try:
+                vocab_parallel_cross_entropy(z[..., slice(*vocab_range(V))], target.masked_fill(ignored, bad))
+                raise AssertionError(f"target {bad} should be refused")
+            except RuntimeError as e:
+                assert "out of bounds" in str(e), e
+        log(f"a target outside [0, V) that is not ignore_index raises on every rank, as in F.cross_entropy")
+
+
+def section_subgroups(rank, world, device):
+    head("4. every block on a sub-group whose group rank is not the global rank")
+    all_ranks = [list(range(start, world, 2)) for start in range(min(2, world))]  # {0, 2, ..} and {1, 3, ..}
+    groups = [dist.new_group(r) for r in all_ranks]                   # every rank makes every group, in order
+    group = next(g for g, r in zip(groups, all_ranks) if rank in r)
+    lo, hi, _ = check_embedding(group, device)
+    z = torch.randn(B, T, V, device=device, dtype=torch.float64)
+    target = tokens(device, world)
+    for megatron in (False, True):
+        fn = megatron_vocab_parallel_cross_entropy if megatron else vocab_parallel_cross_entropy
+        _, fwd = check_loss(fn, z, target, group, label_smoothing=0.1, reduction="sum")
+        assert fwd.calls == loss_calls(group, 8, megatron)
+    check_lm_head(group, device)
+    log_all(f"group {list(ranks_of(group))}, group rank {dist.get_rank(group)}: rows [{lo}, {hi})")
+    log("embedding, LM head and both losses equal their references on the sub-groups, with traffic on them only")
+
+
+def check_lm_head(group, device):
+    """Embed, mix, tied LM head, mean loss on `group`, against the same dense model; returns the logits' bytes."""
+    f64 = dict(device=device, dtype=torch.float64)
     dense = nn.Embedding(V, D, **f64)
-    mix = (torch.randn(D, D, **f64) / D ** 0.5).requires_grad_()      # a replicated stand-in for the layers
-    target = torch.randint(0, V, (B, T), device=device)
+    mix = (torch.randn(D, D, **f64) / D ** 0.5).requires_grad_()       # a replicated stand-in for the layers
+    ids, target = tokens(device, dist.get_world_size()), torch.randint(0, V, (B, T), device=device)
     dense_logits = torch.tanh(dense(ids) @ mix) @ dense.weight.T        # (B, T, V)
     dense_loss = F.cross_entropy(dense_logits.view(N, V), target.view(N), label_smoothing=0.1)
     dense_loss.backward()
     dense_mix_grad, mix.grad = mix.grad, None
-    layer = VocabParallelEmbedding.from_dense(dense)
-    hidden = torch.tanh(layer(ids) @ mix)                             # uncounted (see Watch): 1 all-reduce
-    with Watch() as fwd:
-        local_logits = parallel_lm_logits(hidden, layer.weight)       # (B, T, V/W)
-        loss = vocab_parallel_cross_entropy(local_logits, target, label_smoothing=0.1).mean()
-    with Watch() as bwd:
+    layer = VocabParallelEmbedding.from_dense(dense, group)
+    with traffic() as fwd:
+        hidden = torch.tanh(layer(ids.t()) @ mix).transpose(0, 1)     # (B, T, D), a non-contiguous view
+        local_logits = parallel_lm_logits(hidden, layer.weight, group)  # (B, T, V/W)
+        loss = vocab_parallel_cross_entropy(local_logits, target, label_smoothing=0.1, group=group)  # mean
+    with traffic() as bwd:
         loss.backward()
     torch.testing.assert_close(loss, dense_loss)
-    torch.testing.assert_close(layer.weight.grad, dense.weight.grad[lo:hi])  # embedding + head, summed
-    torch.testing.assert_close(mix.grad, dense_mix_grad)
-    assert same_on_every_rank(loss) and same_on_every_rank(mix.grad)
-    assert (fwd.all_reduces, fwd.reduced, bwd.all_reduces, bwd.reduced) == (3, 3 * N, 1, N * D)
-    assert local_logits.nbytes * world == dense_logits.nbytes
-    log(f"loss, tied-weight grad shard and mixing grad equal the dense model's; all-reduces after the embedding: "
-        f"3 forward (the loss), 1 backward (f on dL/dhidden, N*D={N * D})")
-    log(f"logits per rank: {local_logits.nbytes} bytes = 1/{world} of the dense {dense_logits.nbytes}")
+    torch.testing.assert_close(layer.weight.grad, dense.weight.grad[layer.vocab_start:layer.vocab_end])
+    torch.testing.assert_close(mix.grad, dense_mix_grad)                 # embedding + head grads, summed above
+    assert same_on_every_rank(loss, group) and same_on_every_rank(mix.grad, group)
+    many = dist.get_world_size(group) > 1
+    assert fwd.calls == [("all_reduce", ranks_of(group), N * D * 8)] * many + loss_calls(group, 8)
+    assert bwd.calls == [("all_reduce", ranks_of(group), N * D * 8)] * many  # f on dL/dhidden
+    assert local_logits.nbytes * dist.get_world_size(group) == dense_logits.nbytes
+    return local_logits.nbytes, dense_logits.nbytes
 
-    finish("vocab-parallel embedding, tied LM head and cross-entropy (label smoothing over the global vocabulary) "
-           "equal the dense model, forward and backward")
+
+def section_lm_head(rank, world, device):
+    head("5. LM head with tied weights: embed, mix, logits from the embedding's own shard, mean loss")
+    mine, dense = check_lm_head(None, device)
+    log(f"loss, tied-weight grad shard and mixing grad equal the dense model's; forward: 1 all-reduce (embedding, "
+        f"N*D={N * D}) + 1 all-gather (loss, 3N={3 * N}); backward: 1 all-reduce (f on dL/dhidden, N*D)")
+    log(f"logits per rank: {mine} bytes = 1/{world} of the dense {dense}")
+
+
+def main():
+    if V % launched_world_size():
+        refuse(f"the vocabulary of {V} rows does not split evenly over {launched_world_size()} ranks; "
+               f"use 1, 2, 3, 4, 6 or 8")
+    rank, world, device = setup()
+    section_embedding(rank, world, device)
+    section_loss(rank, world, device)
+    section_dtypes(rank, world, device)
+    section_subgroups(rank, world, device)
+    section_lm_head(rank, world, device)
+    finish("vocab-parallel embedding, tied LM head and cross-entropy in one all-gather (bf16/fp16, ignore_index, "
+           "label smoothing over the global vocabulary; on sub-groups) equal the dense model, forward and backward")
 
 
 if __name__ == "__main__":
