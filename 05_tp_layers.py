@@ -342,6 +342,7 @@ except ImportError:  # the blocks above, imported alone where common.py is absen
 
 HIDDEN, HEADS, FFN, BATCH, SEQ = 32, 8, 64, 2, 8  # every size divides by p in {1, 2, 4, 8}
 F64 = torch.float64
+BF16_TOL = 2 ** -6  # rtol and atol in bf16: 2 units in the last place at 1 (bf16 keeps 8 significant bits)
 
 
 def ints(seed, *shape, device, dtype=F64):
@@ -401,7 +402,8 @@ def check_op(op, group, x, dy, want_y, want_dx, replicated, comms):
 def mappings(groups, device):
     world, rank = dist.get_world_size(), dist.get_rank()
     X = [ints(s, BATCH, SEQ, HIDDEN, device=device) for s in range(world)]         # rank s's own input
-    DY = [ints(100 + s, BATCH, SEQ, HIDDEN, device=device) for s in range(world)]  # rank s's own output grad
+    # rank s's own output grad, contiguous: the caller's tensor, which f's backward must not all-reduce in place
+    DY = [ints(100 + s, BATCH, SEQ, HIDDEN, device=device).contiguous() for s in range(world)]
     A, B = ints(1000, BATCH, SEQ, HIDDEN, device=device), ints(1001, BATCH, SEQ, HIDDEN, device=device)  # alike
     x, dy = X[rank], DY[rank]
     for group in groups:
@@ -410,24 +412,24 @@ def mappings(groups, device):
         feat, seq = (lambda t: part(t, -1, group)), (lambda t: part(t, SEQ_DIM, group))
         every = lambda T, dim: torch.cat([part(T[s], dim, group, s) for s in ranks], dim)  # member s's slice s
         cases = (
-                # f: A -> A;  backward: DY[r] -> the group's sum
-                (copy_to_tensor_model_parallel_region, A, dy, A, sum_dy, (True, False), [("all_reduce", dy)]),
-                # g: X[r] -> the group's sum;  backward: B -> B
-                (reduce_from_tensor_model_parallel_region, x, B, sum_x, B, (False, True), [("all_reduce", x)]),
-                # scatter: A -> A's slice r of the last dim;  backward: DY[r]'s slice r -> every member's, joined
-                (scatter_to_tensor_model_parallel_region, A, feat(dy), feat(A), every(DY, -1), (True, False),
-                 [("all_gather", feat(dy))]),
-                # gather: X[r]'s slice r -> every member's, joined;  backward: B -> B's slice r
-                (gather_from_tensor_model_parallel_region, feat(x), B, every(X, -1), feat(B), (False, True),
-                 [("all_gather", feat(x))]),
-                # SP gather: X[r]'s part r of the sequence -> every member's, joined;  backward: DY[r] -> part r
-                # of the group's sum
-                (gather_from_sequence_parallel_region, seq(x), dy, every(X, SEQ_DIM), seq(sum_dy), (False, False),
-                 [("all_gather", seq(x)), ("reduce_scatter", dy)]),
-                # SP reduce-scatter: X[r] -> part r of the group's sum;  backward: DY[r]'s part r -> every
-                # member's, joined
-                (reduce_scatter_to_sequence_parallel_region, x, seq(dy), seq(sum_x), every(DY, SEQ_DIM),
-                 (False, False), [("reduce_scatter", x), ("all_gather", seq(dy))]))
+            # f: A -> A;  backward: DY[r] -> the group's sum
+            (copy_to_tensor_model_parallel_region, A, dy, A, sum_dy, (True, False), [("all_reduce", dy)]),
+            # g: X[r] -> the group's sum;  backward: B -> B
+            (reduce_from_tensor_model_parallel_region, x, B, sum_x, B, (False, True), [("all_reduce", x)]),
+            # scatter: A -> A's slice r of the last dim;  backward: DY[r]'s slice r -> every member's, joined
+            (scatter_to_tensor_model_parallel_region, A, feat(dy), feat(A), every(DY, -1), (True, False),
+             [("all_gather", feat(dy))]),
+            # gather: X[r]'s slice r -> every member's, joined;  backward: B -> B's slice r
+            (gather_from_tensor_model_parallel_region, feat(x), B, every(X, -1), feat(B), (False, True),
+             [("all_gather", feat(x))]),
+            # SP gather: X[r]'s part r of the sequence -> every member's, joined;  backward: DY[r] -> part r
+            # of the group's sum
+            (gather_from_sequence_parallel_region, seq(x), dy, every(X, SEQ_DIM), seq(sum_dy), (False, False),
+             [("all_gather", seq(x)), ("reduce_scatter", dy)]),
+            # SP reduce-scatter: X[r] -> part r of the group's sum;  backward: DY[r]'s part r -> every
+            # member's, joined
+            (reduce_scatter_to_sequence_parallel_region, x, seq(dy), seq(sum_x), every(DY, SEQ_DIM),
+             (False, False), [("reduce_scatter", x), ("all_gather", seq(dy))]))
         for op, x_in, dy_in, want_y, want_dx, replicated, comms in cases:
             check_op(op, group, x_in, dy_in, want_y, want_dx, replicated, [(n, t.nbytes) for n, t in comms])
     log("f, g, scatter, gather, and SP's gather and reduce-scatter along s: forward and backward == closed forms")
@@ -544,9 +546,9 @@ def mlp_and_attention(groups, device, sp=False):
             assert names(t) == (comms if p > 1 else []) and wire(t, p) == 4 * (p - 1) * V / p, (name, t.calls)
             if group is not None:
                 continue
-            kind = "an all-gather and a reduce-scatter" if sp else "one all-reduce"
-            log(f"{name}: output, input grad and every weight and bias grad shard == dense; {kind} each way, "
-                f"{wire(t, p) / 2:g} bytes on the wire each way = 2 ({p}-1)/{p} * {V}")
+            kind = "all-gather + reduce-scatter" if sp else "one all-reduce"
+            log(f"{name}: output, input grad, every grad shard == dense; {kind} each way: {wire(t, p) / 2:g} "
+                f"bytes on the wire = 2 ({p}-1)/{p} * {V}")
             per_rank, whole = (sum(t.nbytes for t in m.parameters()) for m in (par, dense))
             bias = HIDDEN * F64.itemsize  # the row layer's bias: the one parameter kept whole, not split
             assert p * per_rank == whole + (p - 1) * bias, (per_rank, whole, bias)
@@ -558,35 +560,35 @@ def mlp_and_attention(groups, device, sp=False):
 def sequence_parallel(groups, device):
     check_layers(groups, device, (
         (ColumnParallelLinear, {"sequence_parallel": True}, SEQ_DIM, -1, ["all_gather", "reduce_scatter"]),
-        (RowParallelLinear, {"sequence_parallel": True}, -1, SEQ_DIM, ["reduce_scatter", "all_gather"])))
-    log("column [b, s/p, in] -> [b, s, out/p]: all-gathers s forward, reduce-scatters its input grad backward")
-    log("row [b, s, in/p] -> [b, s/p, out]: reduce-scatters s forward, all-gathers backward; both == nn.Linear")
-    log("the row bias grad covers this rank's part of s: allreduce_sequence_parallel_grads sums it == dense")
+        (RowParallelLinear, {"sequence_parallel": True}, -1, SEQ_DIM, ["reduce_scatter", "all_gather"]),
+        (ColumnParallelLinear, {"sequence_parallel": True, "gather_output": True}, SEQ_DIM, None,
+         ["all_gather", "all_gather", "reduce_scatter"]),
+        (RowParallelLinear, {"sequence_parallel": True, "input_is_parallel": False}, None, SEQ_DIM,
+         ["reduce_scatter", "all_gather", "all_gather"])))
+    log("column [b, s/p, in] -> [b, s, out/p]: all-gathers s forward, reduce-scatters the input grad; == dense")
+    log("row [b, s, in/p] -> [b, s/p, out]: reduce-scatters s forward, all-gathers backward; == dense")
+    log("both also with gather_output=True / input_is_parallel=False; the row bias grad (this rank's part of s)")
+    log("summed over the group by allreduce_sequence_parallel_grads == dense")
     mlp_and_attention(groups, device, sp=True)
 
 
-BF16_RTOL, BF16_ATOL = 2 ** -6, 2 ** -6
-
-
-def bfloat16(groups, device):
+def bfloat16(device):
     """The blocks in bf16 against the same dense modules in bf16."""
     x, dy = (torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(s)).to(device, torch.bfloat16)
              for s in (6, 7))
-    for name, (dense, dense_fn, grads, make) in dense_blocks(3, device, torch.bfloat16).items():
-        for group in groups:
-            for sp in (False, True):
-                dense.zero_grad()
-                par = make(dense, group, sequence_parallel=sp)
-                cut = (lambda t: part(t, SEQ_DIM, group)) if sp else (lambda t: t)
-                x_p, x_d = leaf(cut(x)), leaf(x)
-                y_p = par(x_p)
-                y_p.backward(cut(dy))
-                y = dense_fn(x_d)
-                y.backward(dy)
-                for got, want in [(y_p, y), (x_p.grad, x_d.grad)]:
-                    torch.testing.assert_close(got, cut(want), rtol=BF16_RTOL, atol=BF16_ATOL)
-    log(f"MLP and attention, TP and SP, in bf16: output and input grad == the dense bf16 modules' within "
-        f"rtol = atol = {BF16_RTOL}")
+    for dense, dense_fn, _, make in dense_blocks(3, device, torch.bfloat16).values():
+        for sp in (False, True):
+            par = make(dense, sequence_parallel=sp)
+            cut = (lambda t: part(t, SEQ_DIM, None)) if sp else (lambda t: t)
+            x_p, x_d = leaf(cut(x)), leaf(x)
+            y_p = par(x_p)
+            y_p.backward(cut(dy))
+            y = dense_fn(x_d)
+            y.backward(dy)
+            for got, want in [(y_p, y), (x_p.grad, x_d.grad)]:
+                torch.testing.assert_close(got, cut(want), rtol=BF16_TOL, atol=BF16_TOL)
+    log(f"MLP and attention, TP and SP, in bf16 (the collectives too): output and input grad == the dense bf16 "
+        f"modules' within rtol = atol = 2**-6")
 
 
 def tp_dp_grid(device):
@@ -624,8 +626,8 @@ def main():
                f"ranks only")
     _, world, device = setup()
     groups = (None, strided_group())   # the world, and a group whose group rank is not the global rank
-    strided = [list(range(start, world, 2)) for start in range(min(world, 2))]
-    head(f"the six mappings, p = {world} and on the strided groups {strided}: exact in float64")
+    strided = " ".join(str(list(range(start, world, 2))) for start in range(min(world, 2)))
+    head(f"the six mappings on the world (p = {world}) and on the strided groups {strided}: exact in float64")
     mappings(groups, device)
     head("ColumnParallelLinear and RowParallelLinear against nn.Linear, on the world and the strided groups")
     linear_layers(groups, device)
@@ -633,8 +635,8 @@ def main():
     mlp_and_attention(groups, device)
     head(f"sequence parallelism: activations split along s (dim {SEQ_DIM}) between blocks")
     sequence_parallel(groups, device)
-    head("bf16")
-    bfloat16(groups, device)
+    head("bf16: the blocks against the same dense modules in bf16")
+    bfloat16(device)
     head("TP inside a 2-D grid: TP x DP process groups from dist.new_group")
     tp, dp = tp_dp_grid(device)
     finish(f"f/g/scatter/gather and the SP pair, column/row layers, MLP, attention (TP and SP) == dense at "
