@@ -20,34 +20,38 @@ final LayerNorm and the LM head, whose weight is the embedding's (tied), and the
 Micro-batches flow through the stages in 1F1B order (08); ZeRO-2 (09) over the DP group reduce-scatters the
 gradients, steps this rank's 1/dp of them and all-gathers the parameters.
 
-The tied weight. With pp > 1 the embedding (stage 0) and the LM head (last stage) are two copies of one matrix,
-each getting part of its gradient. Megatron's embedding group (first and last rank of each pipeline) all-reduces
-that gradient after the last micro-batch, so both copies take the same step and stay equal. LayerNorms and the
-row layers' biases see only this rank's slice of the sequence (SP): their gradients are all-reduced over TP.
-Both happen once per step, after the pipeline and before ZeRO-2's reduce-scatter (all three are sums: any order).
+The tied weight: the embedding group. With pp > 1 the embedding (stage 0) and the LM head (last stage) are two
+copies of one matrix, each getting the gradient of its own use. Megatron's embedding group (the first and last
+rank of each pipeline) all-reduces that gradient once per step, after the last micro-batch, so both copies take
+the same step and stay equal; with one stage they are one Parameter and nothing moves. Likewise LayerNorms and
+the MLP's row bias see only this rank's slice of the sequence (SP): their gradients are all-reduced over TP.
+Both run after the pipeline and before ZeRO-2's reduce-scatter (Megatron's finalize_model_grads); all three
+are sums, so the order does not change the result. The groups nest: a TP group lies inside one stage of one
+replica; a PP group links one TP rank of each stage; an embedding group is the two ends of a PP group; a DP group
+links the same (stage, TP rank) across replicas. Every rank is in exactly one group of each kind.
 
-One step, bytes each rank SENDS (ring collectives: all-reduce 2(n-1)/n of its input, all-gather (n-1) x its
-input, reduce-scatter (n-1)/n of its input; a send its tensor). A = b*s*h*e, one micro-batch's activation
-(b sequences of s tokens, e bytes an element); m micro-batches; L/pp layers on this stage; t = tp.
-  TP, per layer and micro-batch: attention and MLP each all-gather in (fwd) and reduce-scatter out (fwd), and
-      the reverse in backward: 4 all-gathers + 4 reduce-scatters, 8 (t-1)/t A -- TP's 4 all-reduces exactly
-  TP, stage 0 per micro-batch: the embedding's all-reduce 2(t-1)/t A, its split's backward all-gather (t-1)/t A
-  TP, last stage per micro-batch: the head's all-gather and its backward reduce-scatter 2 (t-1)/t A;
-      the loss: 3 all-reduces of one number per token, 3 * 2(t-1)/t * b*s*e (07), independent of V
-  TP, per step: one all-reduce of the SP parameters' gradients (6h per layer, +2h last stage): 2(t-1)/t * 6hLe/pp
-  PP, per micro-batch: one activation forward unless last, one gradient back unless first: A/t each
-  embedding group, per step (first and last stage, pp > 1): one all-reduce of V/t*h*e bytes: 2(2-1)/2 = 1x it
-  DP, per bucket: reduce-scatter (dp-1)/dp of its gradient bytes, all-gather (dp-1)/dp of its parameter bytes
+One step, bytes each rank SENDS (ring algorithms: an all-reduce sends 2(n-1)/n of its input, an all-gather
+(n-1) x its input, a reduce-scatter (n-1)/n of its input; a send its tensor). A = b*s*h*e is one micro-batch's
+whole activation (b sequences of s tokens, hidden h, e bytes an element), m micro-batches, L/pp layers a stage,
+t = tp, eg / ep bytes of a gradient / parameter element, V the vocabulary:
+  TP, per layer and micro-batch: attention and MLP each all-gather their input and reduce-scatter their output,
+      and the reverse in backward: 4 all-gathers of A/t + 4 reduce-scatters of A = 8 (t-1)/t A (TP's 4 all-reduces)
+  TP, stage 0, per micro-batch: the embedding's all-reduce 2(t-1)/t A; its split's backward all-gather (t-1)/t A
+  TP, last stage, per micro-batch: the head's all-gather and its backward reduce-scatter, 2 (t-1)/t A; the loss:
+      one all-gather of 3 fp32 numbers per token, (t-1) * 3*b*s*4 bytes (07), whatever V is
+  TP, per step: one all-reduce of the SP gradients, 5h per layer (+2h, the final LayerNorm): 2(t-1)/t * 5h*eg*L/pp
+  PP, per micro-batch: the activation forward unless last stage, its gradient back unless first: A/t each
+  embedding group, per step (first and last stage, pp > 1): one all-reduce of V/t*h*eg bytes: sends 1x of it
+  DP, per step and bucket: reduce-scatter (dp-1)/dp of its gradient bytes, all-gather (dp-1)/dp of its parameters
 The demo counts every collective of one step with common.traffic(), each under its group's ranks, and asserts
-these forms; then it evaluates them for a real model (hidden 4096, 32 layers, ... , bf16) at NVLink and
-InfiniBand bandwidths: formulas checked small, used at scale.
+these forms (the same function, step_traffic, that then evaluates them for a real model at NVLink and
+InfiniBand bandwidths: formulas checked small, used at scale).
 
     torchrun --nproc-per-node=8 10_3d_parallel.py            (1, 2, 4 ranks too; GRID=dpxppxtp picks the grid)
     torchrun --nproc-per-node=8 10_3d_parallel.py hidden=8192 layers=80 tp=8 pp=8 dp=16  (the scale table)
 """
 import contextlib
 import importlib
-import math
 from types import SimpleNamespace
 from fractions import Fraction
 
@@ -95,8 +99,8 @@ class GPT(nn.Module):
         kw = dict(dtype=dtype)
         self.embed = nn.Embedding(vocab, hidden, **kw)
         self.blocks = nn.ModuleList(nn.ModuleDict(dict(
-            ln1=nn.LayerNorm(hidden, **kw), attn=nn.MultiheadAttention(hidden, heads, bias=False, batch_first=True, **kw),
-            ln2=nn.LayerNorm(hidden, **kw),
+            ln1=nn.LayerNorm(hidden, **kw), ln2=nn.LayerNorm(hidden, **kw),
+            attn=nn.MultiheadAttention(hidden, heads, bias=False, batch_first=True, **kw),  # no bias, as Llama
             mlp=nn.Sequential(nn.Linear(hidden, ffn, **kw), nn.GELU(), nn.Linear(ffn, hidden, **kw))))
             for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden, **kw)
@@ -140,7 +144,7 @@ class GPTStage(nn.Module):
             self.ln_f = _copy(gpt.ln_f)
             for p in self.ln_f.parameters():
                 p.sequence_parallel = True
-            tied = nn.Linear(gpt.embed.embedding_dim, gpt.embed.num_embeddings, bias=False, dtype=gpt.embed.weight.dtype)
+            tied = nn.Linear(gpt.embed.embedding_dim, gpt.embed.num_embeddings, bias=False, device="meta")
             tied.weight = gpt.embed.weight                            # [V, h]: column-parallel splits its rows
             self.head = tp_layers.ColumnParallelLinear.from_dense(tied, tp, sequence_parallel=True)
             if self.is_first:
@@ -251,7 +255,7 @@ def step_traffic(c, stage):
     if last:
         add("tp", "all_gather", t, m, A // t)                         # the head's input
         add("tp", "reduce_scatter", t, m, A)                          # its gradient
-        add("tp", "all_gather", t, m, 3 * c["micro"] * c["seq"] * c["e"])  # the loss: 3 numbers a token
+        add("tp", "all_gather", t, m, 3 * c["micro"] * c["seq"] * max(c["e"], 4))  # the loss: 3 fp32 a token
     sp_numel = 5 * c["hidden"] * per + (2 * c["hidden"] if last else 0)
     add("tp", "all_reduce", t, 1, sp_numel * c["eg"])
     add("pp", "send", pp, m * (2 - first - last), A // t)
@@ -355,6 +359,7 @@ def train(grid, device):
     opt = torch.optim.AdamW(gpt.parameters(), **HYPER)
     rows = slice(grid.d * M * MICRO, (grid.d + 1) * M * MICRO)      # this replica's share of the batch
     micro = lambda t: list(t[rows].split(MICRO))
+    counted = None
     for step in range(STEPS):
         ids, targets = batch(step, grid.dp_size, device)
         opt.zero_grad()
@@ -368,12 +373,12 @@ def train(grid, device):
         opt.step()
         with traffic() if step == 1 else contextlib.nullcontext() as t:
             loss = train_step(stage, model, comm, micro(ids), micro(targets), check)
-        counted = t if step == 1 else locals().get("counted")
+        counted = t if step == 1 else counted
         check_loss(loss, ref_loss, grid)
     log(f"loss of each of the {STEPS} steps == one process's on the whole batch (mean over DP on the last stage)")
     params = model.full_parameters()                                  # waits for ZeRO-2's last all-gather
     for name, want in stage.shards_of(gpt).items():
-        torch.testing.assert_close(params[name].detach(), want, rtol=1e-10, atol=1e-12, msg=lambda s: f"{name}: {s}")
+        torch.testing.assert_close(params[name], want, rtol=1e-10, atol=1e-12, msg=lambda s: f"{name}: {s}")
     log(f"after {STEPS} steps every parameter shard on every rank == its slice of the one-process GPT")
     return counted, stage
 
@@ -405,7 +410,9 @@ def tally(calls, grid):
         if len(ranks) == 1:
             continue
         kinds = [k for k, r in mine.items() if r == ranks] or [str(list(ranks))]
-        kind = "pp" if op in ("send", "recv") and "pp" in kinds else next(k for k in kinds if k != "pp" or len(kinds) == 1)
+        if len(kinds) > 1:                                            # pp and embedding: the same two ranks
+            kinds = ["pp" if op in ("send", "recv") else "embedding"]
+        kind = kinds[0]
         n, sent = out.get((kind, op), (0, 0))
         out[(kind, op)] = (n + 1, sent + RING[op](len(ranks)) * nbytes)
     return out
@@ -440,20 +447,27 @@ def scale(overrides):
     c = {**SCALE, **overrides}
     head(f"the same forms at scale: hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, vocab {c['vocab']}, "
          f"{c['m']} micro-batches of {c['micro']}, dp {c['dp']} x pp {c['pp']} x tp {c['tp']}")
+    log(f"activations {c['e']} bytes an element, gradients {c['eg']}, parameters {c['ep']}; TP on NVLink "
+        f"{c['nvlink_GBps']} GB/s, the others on InfiniBand {c['ib_GBps']} GB/s (per rank, one direction)")
     link = {"tp": c["nvlink_GBps"], "pp": c["ib_GBps"], "dp": c["ib_GBps"], "embedding": c["ib_GBps"]}
-    log(f"activations {c['e']} bytes, gradients {c['eg']}, parameters {c['ep']}; TP on NVLink {c['nvlink_GBps']} "
-        f"GB/s, the rest on InfiniBand {c['ib_GBps']} GB/s per rank")
-    for stage in sorted({0, c["pp"] - 1}):
+    stages = sorted({0, c["pp"] - 1})
+    per_stage = []
+    for stage in stages:
         numel = stage_numel(c, stage)
-        c["buckets"] = [c["bucket"]] * (numel // c["bucket"]) + ([numel % c["bucket"]] if numel % c["bucket"] else [])
-        per_group = {}
-        for (kind, op), (n, sent) in step_traffic(c, stage).items():
-            calls, b = per_group.get(kind, (0, 0))
-            per_group[kind] = (calls + n, b + sent)
-        log(f"stage {stage} ({numel / 1e9:.2f} B parameters a rank): " + ", ".join(
-            f"{kind} {n} calls {float(b) / 1e9:.1f} GB {float(b) / 1e9 / link[kind]:.2f} s"
-            for kind, (n, b) in sorted(per_group.items())))
-    return c
+        full, rest = divmod(numel, c["bucket"])
+        by_group = {}
+        for (kind, op), (n, sent) in step_traffic({**c, "buckets": [c["bucket"]] * full + [rest] * bool(rest)},
+                                                   stage).items():
+            calls, b = by_group.get(kind, (0, 0))
+            by_group[kind] = (calls + n, b + sent)
+        per_stage.append(by_group)
+        log(f"stage {stage}: {numel / 1e9:.2f} B parameters a rank")
+    log(f"{'group':10} " + " ".join(f"{f'stage {s}: calls':>15} {'GB sent':>8} {'seconds':>8}" for s in stages))
+    for kind in sorted(set().union(*per_stage)):
+        cells = [by_group.get(kind, (0, 0)) for by_group in per_stage]
+        log(f"{kind:10} " + " ".join(f"{n:>15} {float(b) / 1e9:>8.2f} {float(b) / 1e9 / link[kind]:>8.3f}"
+                                     for n, b in cells))
+    log("seconds if nothing overlaps; TP sits on the critical path of every layer, DP can hide behind backward")
 
 
 def main():
