@@ -7,31 +7,35 @@ over the tensor-parallel group: rank i holds rows [i*V/W, (i+1)*V/W) of the (tie
   embedding   ids (every rank)  -- look up the rows held here, zero the others -->  partial (N, D)
               -- all-reduce SUM (g) -->  every rank holds the full (N, D) embeddings
   LM head     hidden (N, D) --f--> @ W_i^T  -->  rank i holds logits[:, i*V/W : (i+1)*V/W], never all V columns
-  loss        rank i reduces its slice to 3 numbers per token, relative to its own max m_i:
-                m_i = max of its slice,  s_i = sum of exp(z - m_i),  c_i = its share of the target logit
-                (and of the label-smoothing sum), minus m_i
+  loss        rank i reduces its slice z to 3 numbers per token, each relative to its own max m_i:
+                m_i = max(z),   s_i = sum exp(z - m_i),   c_i = (1-eps)(z_t - m_i) if it holds target t, else 0,
+                                                                + eps/V * sum(z - m_i)   (label smoothing eps)
               -- ONE all-gather of 3N numbers -->  every rank holds (m, s, c) of every rank, and merges them:
-                M = max_i m_i,   S = sum_i s_i * exp(m_i - M),   loss = log S - sum_i c_i - (corrections in m_i - M)
+                M = max_i m_i,   S = sum_i s_i exp(m_i - M),
+                loss = log S - sum_i c_i - (1-eps)(m_owner - M) - eps/W sum_i (m_i - M)   (the same everywhere)
               backward: softmax - one_hot on the local slice, no communication
 
 The merge is the log-sum-exp rule of online softmax: 06's ring attention merges the blocks of one row of
-scores the same way, and flash attention the tiles. Megatron's form (and PyTorch's loss_parallel) issues three
+scores the same way, and flash attention its tiles. Megatron's form (and PyTorch's loss_parallel) issues three
 all-reduces instead: MAX of m_i, SUM of exp(z - M), SUM of the target logit; it stays below as
-megatron_vocab_parallel_cross_entropy, the form met elsewhere. Computed in fp32 at least (bf16/fp16 upcast).
+megatron_vocab_parallel_cross_entropy, the form met elsewhere. Both compute in fp32 at least (bf16/fp16 logits
+are upcast) and return the loss and its gradient in the logits' dtype; ignore_index and reduction mean what
+they mean in F.cross_entropy.
 
 Label smoothing eps means what F.cross_entropy(label_smoothing=eps) means: the target distribution is
 (1 - eps) * one_hot + eps / V over the GLOBAL vocabulary V, so the loss subtracts eps * mean(z) over all V
 logits. That sum is linear, so it rides in c_i. Averaging it over the local V/W slice instead
 (NVIDIA/Megatron-LM#737) gives every rank a different, wrong loss.
 
-Bytes each rank sends (b bytes per element: 4, fp32 inside; N tokens; ring algorithms):
-  embedding forward, and LM-head backward (dL/dhidden): 2(W-1)/W * N*D*b each (one all-reduce)
-  the loss: one all-gather of 3N numbers: (W-1) * 3N*b;  Megatron's three all-reduces of N: 3 * 2(W-1)/W * N*b.
-  Both are independent of V; gathering the logits would send (W-1)/W * N*V*b and hold all N*V on every rank.
+Bytes each rank sends (N tokens, ring algorithms):
+  embedding forward, and LM-head backward (dL/dhidden): one all-reduce, 2(W-1)/W * N*D*b each (b: bytes of
+  an activation element). The loss, its numbers in fp32 (4 bytes): one all-gather of 3N numbers sends
+  (W-1) * 3N*4; Megatron's three all-reduces of N send 3 * 2(W-1)/W * N*4. Both are independent of V;
+  gathering the logits would send (W-1)/W * N*V*b and hold all N*V of them on every rank.
 When does one all-gather beat three all-reduces? A collective costs a latency a (launch, handshakes) plus
-bytes/bandwidth. The all-gather saves 2a and sends 3(W-1)(W-2)/W * N*b bytes more: at W <= 2 it always wins;
-at W = 8, a = 20 us and 100 GB/s it wins while 15.75 * N*b < 4 MB, i.e. N < 63k tokens per micro-batch (fp32):
-the loss moves a few bytes per token, so it is latency-bound, and one collective beats three.
+bytes/bandwidth. The all-gather saves 2a and sends 3(W-1)(W-2)/W * N*4 bytes more: at W <= 2 it always wins;
+at W = 8, a = 20 us and 100 GB/s it wins while 15.75 * N*4 B < 2a * 100 GB/s = 4 MB, i.e. N < 63k tokens per
+micro-batch. The loss moves a few bytes per token, so it is latency-bound, and one collective beats three.
 
     torchrun --nproc-per-node=4 07_vocab_parallel.py
 """
@@ -280,8 +284,9 @@ try:
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
-V, D, B, T = 384, 16, 2, 12  # 384 rows split evenly over 1, 2, 3, 4, 6 or 8 ranks and their halves; N = B*T
+V, D, B, T = 384, 16, 2, 12  # V/W rows per rank > 3W numbers per token gathered, for W up to 8; N = B*T
 N = B * T
+WORLDS = (1, 2, 3, 4, 6, 8)  # V splits evenly over W and W/2; N-1 tokens hold every rank's first and last row
 TOL = {torch.float64: {}, torch.bfloat16: dict(rtol=2 ** -8, atol=1e-6), torch.float16: dict(rtol=2 ** -10, atol=1e-6)}
 # bf16/fp16 against float64: fp32 inside, then one rounding to 8 (bf16) or 11 (fp16) bits, at most half of rtol
 
@@ -348,7 +353,7 @@ def check_loss(loss_fn, z, target, group=None, **options):
     """loss_fn on this rank's slice of z (B, T, V), handed over as a non-contiguous view, against F.cross_entropy
     on all of z in float64: the loss and dlogits under a non-uniform upstream grad, in z's dtype within TOL.
     Also: every rank's loss is the same, the input is untouched, no tensor exceeds N x V/W elements.
-    Returns (loss, forward traffic, backward traffic)."""
+    Returns the loss and the forward's traffic."""
     w, r = dist.get_world_size(group), dist.get_rank(group)
     lo, hi = r * V // w, (r + 1) * V // w
     full = z.detach().double().requires_grad_()
@@ -498,9 +503,9 @@ def section_lm_head(rank, world, device):
 
 
 def main():
-    if V % launched_world_size():
-        refuse(f"the vocabulary of {V} rows does not split evenly over {launched_world_size()} ranks; "
-               f"use 1, 2, 3, 4, 6 or 8")
+    if launched_world_size() not in WORLDS:
+        refuse(f"a vocabulary of {V} rows and {N} tokens fit {', '.join(map(str, WORLDS))} ranks, "
+               f"not {launched_world_size()}")
     rank, world, device = setup()
     section_embedding(rank, world, device)
     section_loss(rank, world, device)
