@@ -70,7 +70,8 @@ data_par = importlib.import_module("09_ddp_zero2")           # ZeRO-2
 
 class Grid:
     """dp x pp x tp process groups, tp fastest: rank = (d * pp + p) * tp + t. Every rank creates every group, in
-    the same order (dist.new_group's rule). self.tp / .pp / .dp / .embedding: this rank's groups; self.ranks:
+    the same order (dist.new_group's rule). self.tp / .pp / .dp / .embedding: this rank's groups (a middle
+    stage is in no embedding group: None); self.ranks:
     {kind: [global ranks of each group]}; self.d, .p, .t: this rank's coordinates."""
 
     def __init__(self, dp, pp, tp):
@@ -87,7 +88,7 @@ class Grid:
                       "embedding": [sorted({ranks[0], ranks[-1]}) for ranks in pipes]}  # first + last stage
         for kind, groups in self.ranks.items():
             made = [dist.new_group(ranks) for ranks in groups]
-            setattr(self, kind, next(g for g, ranks in zip(made, groups) if rank in ranks))
+            setattr(self, kind, next((g for g, ranks in zip(made, groups) if rank in ranks), None))
         self.is_first, self.is_last = self.p == 0, self.p == pp - 1
 
 
@@ -343,9 +344,10 @@ def show_grid(grid, world):
                 "embedding": [[0, 2], [1, 3]]}}                          # the default grids, written out
     if world in want and (grid.dp_size, grid.pp_size, grid.tp_size) in ((2, 2, 2), (1, 2, 2)):
         assert grid.ranks == want[world], grid.ranks
-    mine = [dist.get_process_group_ranks(g) for g in (grid.tp, grid.pp, grid.dp, grid.embedding)]
+    mine = [dist.get_process_group_ranks(g) for g in (grid.tp, grid.pp, grid.dp, grid.embedding) if g is not None]
     assert all(dist.get_rank() in ranks for ranks in mine) and mine[0][grid.t] == dist.get_rank()
-    log("every rank is in one group of each kind; a TP group is consecutive ranks, the others strided")
+    assert len(mine) == 4 - (0 < grid.p < grid.pp_size - 1), mine
+    log("every rank is in one group of each kind (the embedding group: first and last stages only)")
 
 
 def train(grid, device):
@@ -404,7 +406,8 @@ def tally(calls, grid):
     """{(group kind, collective): (calls, bytes this rank sent)} from traffic().calls, each call's group known by
     its ranks (a PP group and an embedding group may hold the same two ranks: P2P is the pipeline's). Calls on a
     group of one rank move nothing and are left out; a group that is none of this rank's shows as its ranks."""
-    mine = {kind: tuple(dist.get_process_group_ranks(getattr(grid, kind))) for kind in grid.ranks}
+    mine = {kind: tuple(dist.get_process_group_ranks(getattr(grid, kind))) for kind in grid.ranks
+            if getattr(grid, kind) is not None}
     out = {}
     for op, ranks, nbytes in calls:
         if len(ranks) == 1:
