@@ -216,6 +216,8 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
+# Megatron's public names. The sequence-parallel regions cut dim 0, the sequence of Megatron's [s, b, h]; a
+# batch-first [b, s, h] caller passes dim=1. f and g act on the whole tensor.
 def copy_to_tensor_model_parallel_region(x, group=None):
     return _CopyToModelParallelRegion.apply(x, group)
 
@@ -396,7 +398,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(works)
                 kv = kv_next
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)             # [b, h, 2c, d], [b, h, 2c]
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)                              # out kept in fp32 for delta
         ctx.is_causal, ctx.group = is_causal, group
         return out.transpose(1, 2).to(q.dtype)                               # [b, s/P, h, d]
 
@@ -415,15 +417,14 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             if step < size - 1:
                 kv_next, kv_works = _ring_exchange(kv, group)
-            kvd = kv.to(dtype)
-            part = torch.zeros_like(kvd)                    # this rank's share of dk, dv for the K, V it holds
-            for i, j, diagonal in _block_pairs(rank, (rank - step) % size, size, is_causal=ctx.is_causal):
-                c = slice(j * kvd.shape[3] // 2, (j + 1) * kvd.shape[3] // 2)
-                dqi, dkj, dvj = _attend_backward(qc[i], kvd[0][:, :, c], kvd[1][:, :, c], doc[i], lse[i],
-                                                 delta[i], scale, diagonal)
+            kc, vc = (t.chunk(2, dim=2) for t in kv.to(dtype))
+            part = torch.zeros(kv.shape, dtype=dtype, device=kv.device)   # this rank's dk, dv of the K, V it holds
+            dkc, dvc = (t.chunk(2, dim=2) for t in part)                    # views: add_ fills `part`
+            for i, j, diagonal in _block_pairs(rank, (rank - step) % size, size, ctx.is_causal):
+                dqi, dkj, dvj = _attend_backward(qc[i], kc[j], vc[j], doc[i], lse[i], delta[i], scale, diagonal)
                 dq[i] += dqi
-                part[0][:, :, c] += dkj
-                part[1][:, :, c] += dvj
+                dkc[j].add_(dkj)
+                dvc[j].add_(dvj)
             _wait(dkv_works)                                # the shares of the ranks this K, V visited before
             dkv = part if step == 0 else part + dkv_recv
             dkv_recv, dkv_works = _ring_exchange(dkv, group)   # on to the next rank; after the last step, home
@@ -485,6 +486,12 @@ def ints(shape, seed, device):
     return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(seed)).double().to(device)
 
 
+def vjp(out, inputs, dout):
+    """The gradients of <out, dout> with respect to inputs (a scalar root: torch.autograd.grad with grad_outputs
+    imports torch's symbolic-shape machinery on first use, seconds per process)."""
+    return torch.autograd.grad((out * dout).sum(), inputs)
+
+
 def strided(t):
     """The same values in a non-contiguous layout (a transposed copy, transposed back)."""
     out = t.transpose(-1, -2).contiguous().transpose(-1, -2)
@@ -498,7 +505,7 @@ def adjoint_checked(op, x, group=None, replicated=False):
     x = x.detach().requires_grad_()
     out = op(x)
     y = ints(out.shape, 1000 + dist.get_rank(), x.device)
-    (g,) = torch.autograd.grad(out, x, y)
+    (g,) = torch.autograd.grad((out * y).sum(), x)
     once = dist.get_rank(group) == 0 or not replicated
     sides = torch.stack([(out * y).sum(), (x * g).sum() * once]).detach()
     dist.all_reduce(sides, group=group)
@@ -594,7 +601,7 @@ def mlp_block_checks(groups, device):
         ring = 2 * (P - 1) * V // P                   # a ring all-reduce of V, or an all-gather plus a reduce-scatter
         assert dict(tp["fwd"].counts) == dict(tp["bwd"].counts) == expect(all_reduce=1)
         assert sent(tp["fwd"], ranks) == sent(tp["bwd"], ranks) == ring
-        assert dict(sp["fwd"].counts) == expect(all_gather=1, reduce_scatter=1) and sent(sp["fwd"]) == ring
+        assert dict(sp["fwd"].counts) == expect(all_gather=1, reduce_scatter=1) and sent(sp["fwd"], ranks) == ring
         assert dict(sp["bwd"].counts) == expect(all_gather=2, reduce_scatter=1)
         assert sent(sp["bwd"], ranks) == ring + (P - 1) * V // P
         ln = (2 * S * B * H + 2 * S * B) * e          # LN's input and output (fc1's input), LN's mean and rstd
@@ -659,7 +666,7 @@ def ulysses(groups, device):
             with traffic() as uly:
                 out = ulysses_attention(*my_in, is_causal=causal, group=group)
             torch.testing.assert_close(out, mine(ref))
-            for a, b in zip(torch.autograd.grad(out, my_in, mine(dout)), torch.autograd.grad(ref, ref_in, dout)):
+            for a, b in zip(vjp(out, my_in, mine(dout)), vjp(ref, ref_in, dout)):
                 torch.testing.assert_close(a, mine(b))                       # dq, dk, dv
         assert dict(uly.counts) == ({"all_to_all": 4} if P > 1 else {})
         assert sent(uly, ranks) == 4 * (P - 1) * V // P ** 2
@@ -732,6 +739,9 @@ def ring(groups, device):
                                                                   v.transpose(1, 2), is_causal=causal).transpose(1, 2)
     for group in groups:
         ranks, P, r = members(group), dist.get_world_size(group), dist.get_rank(group)
+        got, works = _ring_exchange(strided(ints((2, 3), dist.get_rank(), device)), group)   # one ring step
+        _wait(works)
+        assert torch.equal(got, ints((2, 3), ranks[(r - 1) % P], device))   # the previous group rank's tensor
         mine = lambda t: zigzag_shard(t, 1, group)
         for causal in (False, True):
             ref_in = [t.clone().requires_grad_() for t in qkv]
@@ -740,9 +750,9 @@ def ring(groups, device):
             with traffic() as fwd:
                 out = ring_attention(*my_in, is_causal=causal, group=group)
             with traffic() as bwd:
-                grads = torch.autograd.grad(out, my_in, strided(mine(dout)))
+                grads = vjp(out, my_in, strided(mine(dout)))
             torch.testing.assert_close(out, mine(ref))
-            for a, b in zip(grads, torch.autograd.grad(ref, ref_in, dout)):
+            for a, b in zip(grads, vjp(ref, ref_in, dout)):
                 torch.testing.assert_close(a, mine(b))                       # dq, dk, dv
             kv = my_in[1].nbytes + my_in[2].nbytes                           # this rank's K and V slices
             assert dict(fwd.counts) == ({"send": P - 1, "recv": P - 1} if P > 1 else {})
@@ -779,10 +789,13 @@ def ring_work_and_bf16(qkv, dout, sdpa, device):
     rounded = [t.bfloat16() for t in (*qkv, dout)]                   # bf16 inputs; the reference sees the same
     ref_in = [t.double().requires_grad_() for t in rounded[:3]]
     ref = sdpa(*ref_in, True)
-    ref_grads = torch.autograd.grad(ref, ref_in, rounded[3].double())
+    ref_grads = vjp(ref, ref_in, rounded[3].double())
     my_in = [zigzag_shard(t, 1).requires_grad_() for t in rounded[:3]]
     out = ring_attention(*my_in, is_causal=True)
-    grads = torch.autograd.grad(out, my_in, zigzag_shard(rounded[3], 1))
+    with traffic() as bwd:
+        grads = vjp(out, my_in, zigzag_shard(rounded[3], 1))
+    kv = my_in[1].nbytes + my_in[2].nbytes                          # bf16 K and V; dK, dV travel in fp32
+    assert sent(bwd) == (P - 1) * kv + P * 2 * kv * (P > 1)
     assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
     for a, b in zip((out, *grads), (ref, *ref_grads)):
         torch.testing.assert_close(a.double(), zigzag_shard(b, 1), rtol=2 ** -8, atol=1e-5)
