@@ -1,4 +1,4 @@
-"""08 - pipeline parallelism: Megatron's P2P layer and the 1F1B schedule, checked against one process.
+"""08 - pipeline parallelism: Megatron's P2P layer; 1F1B, interleaved 1F1B and ZB-H1, checked against one process.
 
 Pipeline parallelism gives each rank a run of consecutive layers (a stage) and streams m micro-batches through
 p stages: activations go right, gradients come back left (lesson 01). A schedule orders a stage's forwards (F)
@@ -6,13 +6,30 @@ and backwards (B). GPipe runs every F, then every B; 1F1B (PipeDream-flush, Mega
 as early as it can. Both leave the same bubble, (p-1)/(m+p-1) of each stage's time idle, but a stage keeps a
 micro-batch's activations from its F to its B: GPipe keeps m, 1F1B at most min(p - stage, m).
 
-  24 blocks, p = 4:   stage 0: blocks 0-5 | stage 1: 6-11 | stage 2: 12-17 | stage 3: 18-23 and the loss
+  16 blocks, p = 4:   stage 0: blocks 0-3 | stage 1: 4-7 | stage 2: 8-11 | stage 3: 12-15 and the loss
   before: each stage holds its blocks; stage 0 the m input micro-batches, stage 3 their targets
   after:  stage 3 holds the loss (mean over micro-batches); each stage its blocks' gradients summed over
           micro-batches, equal to those of the whole model run in one process on the whole batch
   1F1B, stage 0 of 2, m = 4:   F0 F1 B0 F2 B1 F3 B2 B3   (warm-up: 1 F; steady: F, B pairs; cool-down: 1 B)
 
-The P2P layer (Megatron's p2p_communication.py): six calls on one _communicate(send_next, send_prev, recv_prev,
+Two ways to shrink the bubble. Interleaved 1F1B (Megatron): each stage holds v model chunks, chunk c of stage s
+being model chunk c*p + s, so a micro-batch crosses the stages v times, in hops of 1/v of a stage; m must be a
+multiple of p.
+  16 blocks, p = 4, v = 2:  stage 0: blocks 0-1 and 8-9 | stage 1: 2-3, 10-11 | ... | stage 3: 6-7, 14-15
+  stage 1 of 2, m = 4, v = 2:  F0 F1 f0 b0 f1 b1 F2 B0 F3 B1 f2 b2 f3 b3 B2 B3   (upper case chunk 0, lower 1)
+  it holds up to 2(p - stage - 1) + (v-1)p + 1 chunks' activations from F until B, each 1/v of a stage's.
+ZB-H1 (zero bubble, Qi et al., ICLR 2024): each backward splits into B, the input gradient the previous stage
+waits for, and W, the weight gradients nobody waits for; W k runs after B k+stage and the Ws left fill the
+cool-down, where 1F1B idles. B keeps each layer's output gradient; W turns it into dW = dZ^T X.
+  stage 0 of 2, m = 4:  F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3
+  stage 1 of 2, m = 4:  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3
+  from F until B it holds what 1F1B holds, min(p - stage, m); from F until W min(p, m) on every stage.
+The bubbles side by side, one tick per op (an interleaved op is a chunk's: 1/v of a tick), messages free:
+  1F1B         2(m+p-1) ticks, 2(p-1) idle: (p-1)/(m+p-1); with W inside B (2 ticks): 3(m+p-1), 3(p-1) idle
+  interleaved  2mv + 2(p-1) chunk-ticks, 2(p-1) idle: (p-1)/(mv+p-1), v times smaller
+  ZB-H1        F = B = W = 1 tick: max(3m+p-1, 2m+2p-1) ticks; for m >= p, 3m+p-1 with p-1 idle: (p-1)/(3m+p-1)
+
+The P2P layer (Megatron's p2p_communication.py): six calls on one communicate(send_next, send_prev, recv_prev,
 recv_next); the first stage has no prev and the last no next, so those parts are dropped.
   recv_forward                recv_prev              send_forward                send_next
   recv_backward               recv_next              send_backward               send_prev
@@ -20,26 +37,27 @@ recv_next); the first stage has no prev and the last no next, so those parts are
 With variable sequence lengths a round of int64 shapes goes first, so that each receiver can allocate. Two
 implementations: batched (batch_isend_irecv; on NCCL one grouped launch, the order inside does not matter) and
 ordered (isend/irecv one by one in Megatron's order: even stages send_next, recv_prev, send_prev, recv_next, odd
-stages swap each pair). On each link the lower stage sends before it receives and the upper one receives before
-it sends, so the ops pair up; the swap lets a call to both neighbours use both links at the same step.
-Megatron's third, ring_exchange, exists only in its own PyTorch build.
-The two-stage trick: NCCL runs the P2P ops between two ranks of one group on one communicator, in order, so an
-activation going right and a gradient coming left queue behind each other. With exactly two stages Megatron
-sends one direction on a second group; here `second_group` carries odd->even, accepted only with two stages and
-the ordered implementation (batch_isend_irecv wants one group). On gloo only the results can be checked.
+stages swap each pair), so that on each link one end sends while the other receives. Megatron's third,
+ring_exchange, exists only in its own PyTorch build. The two-stage trick: NCCL runs the P2P ops between two ranks
+of one group in order, so an activation going right and a gradient coming left queue behind each other; with
+exactly two stages Megatron sends odd->even on a second group (`second_group`, with the ordered implementation).
 
-Why every send meets its receive, though a send waits for its receive (NCCL; gloo too, lesson 01). On the link
-s -> s+1, s sends act m after F m and receives grad k before B k; s+1 receives act m before F m and sends grad k
-after B k. Every stage runs its Fs in micro-batch order and its Bs too (asserted), so the two ends can disagree
-only on how activations and gradients interleave. They do in 1F1B's steady state: s runs F m, B k while s+1 runs
-B k, F m, so each would send first and wait for ever. The runner finds these places in its neighbours'
-schedules and there, only there, puts both messages in one call: send_forward_recv_backward on s (send act m,
-receive grad k), send_backward_recv_forward on s+1, which posts its receive before its send, so both ends see
-act m, then grad k. A call's shape round pairs like its data. The demo records every op posted and replays
-them, each op blocking until its peer reaches it: every stage must reach the end.
+Why a send and a receive sometimes go in one call (a send waits for its receive: NCCL; gloo too, lesson 01):
+  1F1B steady state, link s -> s+1:   stage s:    F m, send act m,  recv grad k, B k
+                                      stage s+1:  B k, send grad k, recv act m,  F m
+each end would send first and wait for ever; send_forward_recv_backward on s and send_backward_recv_forward on
+s+1 post both at once, and they meet. train_step_1f1b is that loop written out: warm-up, steady, cool-down.
+run_schedule runs any schedule here (v chunks: the last stage's chunk c feeds the first stage's chunk c+1). It
+sends each result when it is made, waiting for the sends at the end of the step, and receives each input just
+before its op; the send after an F or B and the receive before the next one go in one call when the stage at
+the other end makes that input before it takes this output. 1F1B, p = 4, m = 8, stage 1:
+  after F2 it sends act 2 to stage 2 and needs grad 0 from it; stage 2 runs B0 before F2: one call
+  after F1 it sends act 1 to stage 2 and needs act 2 from stage 0: two calls
+On schedule_1f1b it posts exactly train_step_1f1b's calls.
 
 Bytes each rank sends per step, A = one micro-batch's activation (rows x hidden x dtype bytes): m*A forward
-unless last, m*A backward unless first (2*m*A in the middle); exchanging shapes adds 8*ndim per message.
+unless last, m*A backward unless first (2*m*A in the middle); interleaved (2v - [first] - [last]) m*A, v times
+the messages; exchanging shapes adds 8*ndim per message.
 
 Run:  torchrun --nproc-per-node=4 08_pipeline_1f1b.py
 """
@@ -49,7 +67,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-# ---- building blocks: schedules (pure functions) ---------------------------------------------------------
+# ---- building blocks: paste from here to the demo marker (they need only torch) ----------------------------
+# schedules: pure functions, [(op, micro-batch[, chunk])] for one stage --------------------------------------
 def _check_schedule(num_stages, stage, num_microbatches):
     if num_stages < 1 or not 0 <= stage < num_stages or num_microbatches < 1:
         raise ValueError(f"need num_stages >= 1, 0 <= stage < num_stages and num_microbatches >= 1; got "
@@ -72,14 +91,48 @@ def schedule_gpipe(num_stages, stage, num_microbatches):
     return [("F", m) for m in range(num_microbatches)] + [("B", m) for m in range(num_microbatches)]
 
 
-# ---- building blocks: the P2P layer -----------------------------------------------------------------------
+def schedule_interleaved_1f1b(num_stages, stage, num_microbatches, num_chunks):
+    """This stage's ops, [("F" | "B", micro-batch, chunk)], in Megatron's interleaved 1F1B order.
+
+    Chunk c of stage s runs model chunk c*p + s. Forwards take p micro-batches through chunk 0, the same p
+    through chunk 1, ..., then the next p; backwards go the same way from the last chunk. Warm-up:
+    2(p - s - 1) + (v - 1)p forwards, then F, B pairs, then the Bs left."""
+    _check_schedule(num_stages, stage, num_microbatches)
+    p, m, v = num_stages, num_microbatches, num_chunks
+    if v < 1 or m % p:
+        raise ValueError(f"interleaved 1F1B needs num_microbatches a multiple of num_stages and num_chunks >= 1; "
+                         f"got num_microbatches={m}, num_stages={p}, num_chunks={v}")
+    fwd = [("F", k // (p * v) * p + k % p, k // p % v) for k in range(m * v)]  # the k-th forward of this stage
+    bwd = [("B", mb, v - 1 - c) for _, mb, c in fwd]                          # backwards: from the last chunk
+    warmup = min(2 * (p - stage - 1) + (v - 1) * p, m * v)
+    ops = fwd[:warmup]                                                         # warm-up
+    for i in range(m * v - warmup):                                            # steady: F, B pairs
+        ops += [fwd[warmup + i], bwd[i]]
+    return ops + bwd[m * v - warmup:]                                          # cool-down
+
+
+def schedule_zb_h1(num_stages, stage, num_microbatches):
+    """This stage's ops, [("F" | "B" | "W", micro-batch)], in ZB-H1 order (Qi et al., ICLR 2024): 1F1B's Fs
+    and Bs, where B is only the input gradient and W, the weight gradients, of micro-batch k runs after
+    B k + stage; the Ws left fill the cool-down. From F until B: min(p - stage, m); from F until W: min(p, m)."""
+    ops = []
+    for op, k in schedule_1f1b(num_stages, stage, num_microbatches):
+        ops.append((op, k))
+        if op == "B" and k >= stage:
+            ops.append(("W", k - stage))
+    return ops + [("W", k) for k in range(max(num_microbatches - stage, 0), num_microbatches)]
+
+
+# the P2P layer --------------------------------------------------------------------------------------------
 class P2PCommunicator:
     """Moves activations to the next stage and gradients to the previous one; stage = rank in `group`.
 
     shape, dtype, device: what a received tensor is (with variable_shapes, only len(shape) is fixed).
     batched: batch_isend_irecv if True, else isend/irecv in even/odd order.
     second_group: the two-stage trick (exactly 2 stages, batched=False): odd->even transfers use this group.
-    self.log lists every op posted, in order, as (send | recv, peer stage, bytes); clear it as you like.
+    Neighbours wrap around (the last stage's next is the first, as the interleaved schedule needs); the six
+    named calls drop what has no neighbour at the pipeline's two ends. self.log lists every call, each a list
+    of the ops it posted, in order: (send | recv, peer stage, bytes, 0 on group or 1 on second_group).
     """
 
     def __init__(self, shape, dtype, device, group=None, batched=True, variable_shapes=False, second_group=None):
@@ -89,8 +142,7 @@ class P2PCommunicator:
             raise ValueError(f"rank {dist.get_rank()} is not in the pipeline group")
         ranks = dist.get_process_group_ranks(self.group)           # isend/irecv take global ranks
         self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
-        self.prev = None if self.is_first else ranks[self.stage - 1]
-        self.next = None if self.is_last else ranks[self.stage + 1]
+        self.prev, self.next = ranks[(self.stage - 1) % self.num_stages], ranks[(self.stage + 1) % self.num_stages]
         if second_group is not None and (self.num_stages != 2 or batched
                                          or not set(ranks) <= set(dist.get_process_group_ranks(second_group))):
             raise ValueError(f"second_group needs exactly 2 stages, batched=False and both pipeline ranks; got "
@@ -98,68 +150,228 @@ class P2PCommunicator:
         self.second_group = second_group if second_group is not None else self.group
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
         self.batched, self.variable_shapes, self.log = batched, variable_shapes, []
+        self._in_flight, self._loop = [], ([], [])  # sends not waited for yet; a one-stage ring's messages
 
     def recv_forward(self):                          # -> the previous stage's activation (None on the first)
-        return self._communicate(recv_prev=True)[0]
+        return None if self.is_first else self.communicate(recv_prev=True)[0]
 
     def send_forward(self, output):                  # this stage's activation -> the next stage
-        self._communicate(send_next=output)
+        if not self.is_last:
+            self.communicate(send_next=output)
 
     def recv_backward(self):                         # -> the gradient of this stage's output (None on the last)
-        return self._communicate(recv_next=True)[1]
+        return None if self.is_last else self.communicate(recv_next=True)[1]
 
     def send_backward(self, input_grad):             # the gradient of this stage's input -> the previous stage
-        self._communicate(send_prev=input_grad)
+        if not self.is_first:
+            self.communicate(send_prev=input_grad)
 
     def send_forward_recv_backward(self, output):    # 1F1B steady state, after an F
-        return self._communicate(send_next=output, recv_next=True)[1]
+        return None if self.is_last else self.communicate(send_next=output, recv_next=True)[1]
 
     def send_backward_recv_forward(self, input_grad):  # 1F1B steady state, after a B
-        return self._communicate(send_prev=input_grad, recv_prev=True)[0]
+        return None if self.is_first else self.communicate(send_prev=input_grad, recv_prev=True)[0]
 
-    def _communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-        """The one routine under the six calls: returns (tensor from prev or None, tensor from next or None)."""
-        if self.is_first:                            # no neighbour on that side: nothing to send or receive
-            send_prev, recv_prev = None, False
-        if self.is_last:
-            send_next, recv_next = None, False
+    def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False, wait_sends=True):
+        """The one routine under the six calls: returns (tensor from prev or None, tensor from next or None).
+        wait_sends=False leaves this call's sends in flight until wait_sends() (its receives are waited for)."""
         for t in (send_next, send_prev):
             if t is not None and (t.dtype != self.dtype or t.dim() != len(self.shape)
                                   or not (self.variable_shapes or t.shape == self.shape)):
                 raise ValueError(f"cannot send a {t.dtype} tensor of shape {tuple(t.shape)}: this communicator "
                                  f"moves {self.dtype}, shape {self.shape} (variable_shapes={self.variable_shapes})")
+        if self.num_stages == 1:                     # a ring of one: this stage receives what it sent
+            for t, box in ((send_next, self._loop[0]), (send_prev, self._loop[1])):
+                if t is not None:
+                    box.append(t)
+            return self._loop[0].pop(0) if recv_prev else None, self._loop[1].pop(0) if recv_next else None
         empty = lambda want, shape, dtype: torch.empty(shape, dtype=dtype, device=self.device) if want else None
         shape_prev = shape_next = self.shape
         if self.variable_shapes:                     # round 1: the shapes, so that each receiver can allocate
             dims = lambda t: None if t is None else torch.tensor(t.shape, dtype=torch.int64, device=self.device)
             sp, sn = (empty(want, len(self.shape), torch.int64) for want in (recv_prev, recv_next))
-            self._p2p(dims(send_next), dims(send_prev), sp, sn)
+            self._p2p(dims(send_next), dims(send_prev), sp, sn, wait_sends)
             shape_prev, shape_next = (None if s is None else tuple(s.tolist()) for s in (sp, sn))
         from_prev, from_next = empty(recv_prev, shape_prev, self.dtype), empty(recv_next, shape_next, self.dtype)
-        self._p2p(send_next, send_prev, from_prev, from_next)
+        self._p2p(send_next, send_prev, from_prev, from_next, wait_sends)
         return from_prev, from_next
 
-    def _p2p(self, send_next, send_prev, recv_prev, recv_next):
-        """Post the given transfers (a tensor or None each) in this stage's even/odd order; wait for all."""
+    def wait_sends(self):
+        """Wait for every send left in flight by communicate(wait_sends=False)."""
+        for req, _ in self._in_flight:
+            req.wait()
+        self._in_flight = []
+
+    def _p2p(self, send_next, send_prev, recv_prev, recv_next, wait_sends):
+        """Post the given transfers (a tensor or None each) in this stage's even/odd order as one call."""
         even = self.stage % 2 == 0
         order = [(dist.isend, send_next, 1), (dist.irecv, recv_prev, -1), (dist.isend, send_prev, -1),
                  (dist.irecv, recv_next, 1)]                  # even stages; odd ones swap each pair
-        ops = []
+        ops, call = [], []
         for op, t, step in (order if even else [order[i] for i in (1, 0, 3, 2)]):
             if t is not None:
-                group = self.group if (op is dist.isend) == even else self.second_group  # even->odd on group
-                ops.append(dist.P2POp(op, t, self.next if step > 0 else self.prev, group))
-                self.log.append(("send" if op is dist.isend else "recv", self.stage + step,
-                                 t.numel() * t.element_size()))
-        if self.batched and ops:
-            reqs = dist.batch_isend_irecv(ops)
+                on_second = (op is dist.isend) != even            # even->odd on group, odd->even on second_group
+                t = t.contiguous() if op is dist.isend else t     # NCCL takes contiguous tensors only
+                ops.append(dist.P2POp(op, t, self.next if step > 0 else self.prev,
+                                      self.second_group if on_second else self.group))
+                call.append(("send" if op is dist.isend else "recv", (self.stage + step) % self.num_stages,
+                             t.numel() * t.element_size(), int(on_second and self.second_group is not self.group)))
+        if not ops:
+            return
+        self.log.append(call)
+        reqs = dist.batch_isend_irecv(ops) if self.batched else [o.op(o.tensor, o.peer, group=o.group) for o in ops]
+        # gloo: one request per op, each waited for (waiting on one hung, pytorch#132644); NCCL may give one in all
+        for req, o in zip(reqs, ops) if len(reqs) == len(ops) else ((r, None) for r in reqs):
+            if o is not None and o.op is dist.isend and not wait_sends:
+                self._in_flight.append((req, o.tensor))                # keep the tensor alive until it is sent
+            else:
+                req.wait()
+
+
+# the split backward: B (the input gradient, which the previous stage waits for), then W (the weight gradients) --
+def forward_keeping(model, x):
+    """F for a schedule with W: model(x), keeping each parametrised module's output, which W differentiates."""
+    kept = []
+    hooks = [mod.register_forward_hook(lambda mod, args, out: kept.append((mod, out)))
+             for mod in model.modules() if next(mod.parameters(recurse=False), None) is not None]
+    try:
+        y = model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return y, kept
+
+
+def backward_input(x, y, grad_y, kept):
+    """B: the gradient of the stage input x (None if x needs none) and of each kept output z, no weight gradient:
+    returns (x's gradient, [(module, z, dL/dz)]) - what W needs. grad_y is None where y is the loss."""
+    zs = [z for _, z in kept]
+    wrt = ([x] if x.requires_grad else []) + zs
+    grads = torch.autograd.grad(y, wrt, grad_y, retain_graph=True, allow_unused=True) if wrt else []
+    x_grad = grads[0] if x.requires_grad else None
+    return x_grad, [(mod, z, g) for (mod, z), g in zip(kept, grads[len(wrt) - len(zs):]) if g is not None]
+
+
+def backward_weight(saved):
+    """W: each kept module's own weight gradients, dL/dW = (dz/dW)^T dL/dz, accumulated into .grad."""
+    for mod, z, g in saved:
+        torch.autograd.backward(z, g, inputs=[q for q in mod.parameters(recurse=False) if q.requires_grad])
+
+
+# 1F1B as a reader first meets it: three phases, the six P2P calls ----------------------------------------------
+def train_step_1f1b(model, comm, inputs, targets, loss_fn):
+    """One 1F1B step of this stage, written out (picotron's form); run_schedule(model, schedule_1f1b, ...) posts
+    the same calls. Arguments as run_schedule's; returns the loss on the last stage, else None."""
+    p, s, m = comm.num_stages, comm.stage, len(inputs)
+    warmup = min(p - s - 1, m)                       # forwards before the first backward: fill the stages after
+    held, loss = [], []                              # held: (input, output) of each micro-batch from F until B
+
+    def forward(k, x):                               # F of micro-batch k; returns what goes to the next stage
+        x = inputs[k] if comm.is_first else x.requires_grad_()
+        y = model(x)
+        if comm.is_last:                             # the last stage turns its output into the loss
+            y = loss_fn(y, targets[k]) / m
+            loss.append(y.detach())
+        held.append((x, y))
+        return y.detach()
+
+    def backward(dy):                                # B of the oldest micro-batch held; returns its input's grad
+        x, y = held.pop(0)
+        torch.autograd.backward(y, dy)               # dy is None on the last stage, where y is the loss
+        return x.grad
+
+    for k in range(warmup):                          # warm-up: forwards only
+        comm.send_forward(forward(k, comm.recv_forward()))
+    x = comm.recv_forward() if warmup < m else None
+    for i in range(m - warmup):                      # steady 1F1B: F, then the oldest B; each send meets a recv
+        dy = comm.send_forward_recv_backward(forward(warmup + i, x))
+        if i < m - warmup - 1:
+            x = comm.send_backward_recv_forward(backward(dy))
+        else:                                        # the last steady B: no forward follows
+            comm.send_backward(backward(dy))
+    for _ in range(warmup):                          # cool-down: the backwards of the micro-batches still held
+        comm.send_backward(backward(comm.recv_backward()))
+    return sum(loss) if loss else None
+
+
+# the general runner: any schedule above, one model chunk or v ------------------------------------------------
+def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
+    """One training step of this pipeline stage: the ops schedule_fn orders; gradients accumulate in .grad.
+
+        loss, trace, peak = run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn)
+
+    stages       this stage's nn.Module, or a list of v (chunk c runs model chunk c*p + s: interleaved)
+    schedule_fn  (num_stages, stage, num_microbatches) -> [(op, micro-batch[, chunk])], op "F", "B" or "W";
+                 with a W in it, B is backward_input and W backward_weight
+    comm         a P2PCommunicator on the pipeline group (any ranks: stage = group rank, p = group size)
+    inputs       m micro-batches, read by the first stage only (any tensors: token ids are never sent)
+    targets      m targets, read by the last stage only
+    loss_fn      loss_fn(the last chunk's output, target) -> a scalar; the step backpropagates their mean
+    returns      the mean loss on the last stage, else None; the ops as run, [(op, micro-batch, chunk)];
+                 the most micro-batches (x chunks) held at once, measured: {"B": from F until B, "W": until W}
+    Each op's output is sent as soon as it is made and waited for only at the end of the step; each input is
+    received just before its op. The send after an F or B and the receive before the next F or B go in one
+    call when they are with the same stage: where it runs them the other way round, each end would send first.
+    """
+    p, s, m = comm.num_stages, comm.stage, len(inputs)
+    chunks = [stages] if isinstance(stages, nn.Module) else list(stages)
+    v = len(chunks)
+    ops_of = lambda st: [(o[0], o[1], o[2] if len(o) > 2 else 0) for o in schedule_fn(p, st, m)]
+    mine = ops_of(s)
+    theirs = {st: ops_of(st) for st in ((s - 1) % p, (s + 1) % p)}
+    split = any(op == "W" for op, _, _ in mine)
+
+    def link(op, mb, c, out):                        # (side, stage, op) at the other end of this op's output or
+        u = c * p + s + (1 if (op == "F") == out else -1)   # input; None at the ends of the whole model
+        if op == "W" or not 0 <= u < p * v:
+            return None
+        return ("next" if u > c * p + s else "prev"), u % p, (op, mb, u // p)
+
+    def call(send=None, out=None, recv=None):        # one communicate(): send `out` to a side, receive from one
+        got = comm.communicate(**({f"send_{send}": out} if send else {}), **({f"recv_{recv}": True} if recv else {}),
+                               wait_sends=False)
+        return got[0 if recv == "prev" else 1] if recv else None
+
+    held, kept, received, trace, loss = {}, {}, {}, [], None
+    peak = {"B": 0, "W": 0}
+    for i, (op, mb, c) in enumerate(mine):
+        source = link(op, mb, c, out=False)
+        if source and i not in received:             # this op's input, unless it came with the last send
+            received[i] = call(recv=source[0])
+        if op == "F":
+            x = received.pop(i).requires_grad_() if source else inputs[mb]
+            y, keep = forward_keeping(chunks[c], x) if split else (chunks[c](x), None)
+            if c * p + s == p * v - 1:               # the last model chunk: the loss
+                y = loss_fn(y, targets[mb]) / m
+                loss = y.detach() if loss is None else loss + y.detach()
+            held[(mb, c)] = (x, y, keep)
+            result = y.detach()
+        elif op == "B":
+            x, y, keep = held.pop((mb, c))
+            dy = received.pop(i) if source else None   # None where y is the loss
+            if split:
+                result, kept[(mb, c)] = backward_input(x, y, dy, keep)
+            else:
+                torch.autograd.backward(y, dy)
+                result = x.grad
         else:
-            reqs = [o.op(o.tensor, o.peer, group=o.group) for o in ops]
-        for req in reqs:  # wait for every request: gloo returns one per op (waiting on one hung, pytorch#132644)
-            req.wait()
+            backward_weight(kept.pop((mb, c)))
+        trace.append((op, mb, c))
+        peak = {"B": max(peak["B"], len(held)), "W": max(peak["W"], len(held) + len(kept))}
+        target = link(op, mb, c, out=True)
+        if target:                                   # send the result; maybe receive the next F or B's input too
+            j = next((j for j in range(i + 1, len(mine)) if mine[j][0] != "W"), None)
+            source = link(*mine[j], out=False) if j is not None else None
+            order = theirs[target[1]]                # the stage this op's result goes to
+            if source and source[1] == target[1] and p > 1 and order.index(source[2]) < order.index(target[2]):
+                received[j] = call(target[0], result, source[0])   # it sends first too: meet in one call
+            else:
+                call(target[0], result)
+    comm.wait_sends()
+    return loss, trace, peak
 
 
-# ---- building blocks: the model and the runner ------------------------------------------------------------
+# the model the demo splits ------------------------------------------------------------------------------------
 class Block(nn.Module):
     """x + tanh(x W^T + b): the unit the pipeline splits."""
 
@@ -171,145 +383,154 @@ class Block(nn.Module):
         return x + torch.tanh(self.fc(x))
 
 
-def stage_layers(blocks: nn.Sequential, num_stages, stage):
-    """The consecutive blocks this stage runs (the same Parameter objects)."""
-    if len(blocks) % num_stages:
-        raise ValueError(f"{len(blocks)} blocks do not split evenly over {num_stages} stages")
-    k = len(blocks) // num_stages
-    return blocks[stage * k:(stage + 1) * k]
+def stage_layers(blocks: nn.Sequential, num_stages, stage, num_chunks=1):
+    """The consecutive blocks this stage runs (the same Parameter objects); with num_chunks = v > 1, a list of
+    v chunks, chunk c being model chunk c*p + stage (the interleaved layout)."""
+    parts = num_stages * num_chunks
+    if len(blocks) % parts:
+        raise ValueError(f"{len(blocks)} blocks do not split evenly over {num_stages} stages x {num_chunks} chunks")
+    k = len(blocks) // parts
+    chunks = [blocks[(c * num_stages + stage) * k:(c * num_stages + stage + 1) * k] for c in range(num_chunks)]
+    return chunks[0] if num_chunks == 1 else chunks
 
 
-def run_schedule(model, schedule_fn, comm, inputs, targets, loss_fn):
-    """One step of this stage: the Fs and Bs schedule_fn orders, fed by comm; gradients accumulate in .grad.
-    inputs / targets: the micro-batches (read on the first / last stage). Returns (the loss, mean over
-    micro-batches, on the last stage, else None; the ops as run, e.g. ["F0", "B0"]; the most micro-batches
-    whose activations this stage held at once, counted as it ran)."""
-    p, s, m_total = comm.num_stages, comm.stage, len(inputs)
-    mine = schedule_fn(p, s, m_total)
-    before = schedule_fn(p, s - 1, m_total) if s > 0 else None
-    after = schedule_fn(p, s + 1, m_total) if s < p - 1 else None
-    held, trace, peak, loss = {}, [], 0, None        # held: micro-batch -> (stage input, output), F until B
-    recv = {"F": comm.recv_forward, "B": comm.recv_backward}
-    got = comm.recv_forward()                        # every schedule starts with F0
-    for i, (op, m) in enumerate(mine):
-        nxt = mine[i + 1] if i + 1 < len(mine) else None
-        if op == "F":
-            x = inputs[m] if comm.is_first else got.requires_grad_()
-            y = model(x)
-            if comm.is_last:
-                y = loss_fn(y, targets[m]) / m_total
-                loss = y.detach() if loss is None else loss + y.detach()
-            held[m] = (x, y)
-            peak = max(peak, len(held))
-            out, theirs, send, send_and_recv = y.detach(), after, comm.send_forward, comm.send_forward_recv_backward
-        else:
-            x, y = held.pop(m)
-            torch.autograd.backward(y, got)          # got is None on the last stage, where y is the loss
-            out, theirs, send, send_and_recv = x.grad, before, comm.send_backward, comm.send_backward_recv_forward
-        trace.append(f"{op}{m}")
-        # send this op's result, receive the next op's input; where the neighbour runs those two ops the other way
-        # round (1F1B's steady state), each end would send first and wait for ever: then both go in one call
-        if nxt is not None and theirs is not None and theirs.index(nxt) < theirs.index((op, m)):
-            got = send_and_recv(out)
-        else:
-            send(out)                                # nothing is sent from the last (F) or the first (B) stage
-            got = None if nxt is None else recv[nxt[0]]()
-    return loss, trace, peak
+# ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+try:
+    from common import finish, head, log, setup, traffic
+except ImportError:  # the blocks above, imported alone where common.py is absent
+    pass
+
+HIDDEN, ROWS, M, V = 8, 4, 8, 2  # the model: 2 blocks per chunk, p stages x V chunks
+NAME = {schedule_1f1b: "1F1B", schedule_gpipe: "GPipe", schedule_interleaved_1f1b: "interleaved",
+        schedule_zb_h1: "ZB-H1", train_step_1f1b: "1F1B loop"}
 
 
-def replays_to_the_end(logs):
-    """Replay each stage's posted ops (comm.log) with every op blocking until its peer reaches the matching
-    op (a send meets a receive of the same bytes from the other side). True if every stage gets to the end."""
-    pos, moved = [0] * len(logs), True
+def label(op, mb, c):
+    """F3 for chunk 0, f3 for chunk 1 (the timelines' two chunks)."""
+    return (op if c == 0 else op.lower()) + str(mb)
+
+
+def schedule(fn, v):
+    """fn as run_schedule takes it: the interleaved one with v chunks, the hand loop as 1F1B (its order)."""
+    if fn is schedule_interleaved_1f1b:
+        return lambda p, s, m: schedule_interleaved_1f1b(p, s, m, v)
+    return schedule_1f1b if fn is train_step_1f1b else fn
+
+
+def expected_peak(fn, p, s, m, v):
+    """Micro-batches (x chunks) held from F until B and from F until W, as the docstring states."""
+    if fn is schedule_gpipe:
+        return {"B": m, "W": m}
+    if fn is schedule_interleaved_1f1b:
+        held = min(2 * (p - s - 1) + (v - 1) * p + 1, m * v)
+        return {"B": held, "W": held}
+    return {"B": min(p - s, m), "W": min(p, m) if fn is schedule_zb_h1 else min(p - s, m)}
+
+
+def place_on_ticks(traces, num_chunks=1, ticks=None):
+    """Each stage's ops on a clock where an op takes ticks[op] (default 1) and messages take none: an op ends
+    after the later of its stage's previous op and its input (F: the F one model chunk before; B: the B one chunk
+    after, or its own F on the last chunk; W: its own B). Returns ({start tick: op} per stage, total ticks)."""
+    p, ticks = len(traces), ticks or {"F": 1, "B": 1, "W": 1}
+    end, at, free = {}, [0] * p, [0] * p
+    while any(at[s] < len(traces[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while at[s] < len(traces[s]):
+                op, mb, c = traces[s][at[s]]
+                u = c * p + s + (-1 if op == "F" else 1)
+                dep = ((s, ("B", mb, c)) if op == "W" else None if op == "F" and u < 0 else
+                       (s, ("F", mb, c)) if op == "B" and u == p * num_chunks else (u % p, (op, mb, u // p)))
+                if dep is not None and dep not in end:
+                    break                                # its input is not made yet
+                free[s] = end[(s, (op, mb, c))] = max(free[s], end[dep] if dep else 0) + ticks[op]
+                at[s], moved = at[s] + 1, True
+        assert moved, "the schedules wait on each other in a cycle"
+    rows = [{end[(s, o)] - ticks[o[0]]: o for o in trace} for s, trace in enumerate(traces)]
+    return rows, max(free)
+
+
+def replays_to_the_end(logs, sends_wait):
+    """Replay each stage's calls (comm.log): a call posts its ops; the i-th send from a to b on a group meets
+    the i-th receive there, of the same bytes; a call ends when its receives (sends_wait: and sends) are met,
+    then the next one posts. True if every stage gets to the end and every message is received."""
+    posted, at, waiting = {}, [0] * len(logs), [[] for _ in logs]
+    moved = True
     while moved:
         moved = False
-        for a, ops in enumerate(logs):
-            if pos[a] < len(ops):
-                kind, b, nbytes = ops[pos[a]]
-                if pos[b] < len(logs[b]) and logs[b][pos[b]] == ("recv" if kind == "send" else "send", a, nbytes):
-                    pos[a], pos[b], moved = pos[a] + 1, pos[b] + 1, True
-    return pos == [len(ops) for ops in logs]
-
-
-def place_on_ticks(traces):
-    """Each stage's recorded ops on a clock where an F or a B takes one tick and messages take none: an op ends
-    one tick after the later of its stage's previous op and its input (F m: F m one stage before; B m: B m one
-    stage after, or F m on the last stage). Returns ({tick: op} per stage, total ticks)."""
-    end = {}
-
-    def end_of(s, op):
-        if (s, op) not in end:
-            i = traces[s].index(op)
-            deps = [end_of(s, traces[s][i - 1])] if i else [0]
-            if op[0] == "F" and s > 0:
-                deps.append(end_of(s - 1, op))
-            if op[0] == "B":
-                deps.append(end_of(s + 1, op) if s < len(traces) - 1 else end_of(s, "F" + op[1:]))
-            end[(s, op)] = max(deps) + 1
-        return end[(s, op)]
-
-    rows = [{end_of(s, op) - 1: op for op in trace} for s, trace in enumerate(traces)]
-    return rows, max(end_of(s, trace[-1]) for s, trace in enumerate(traces))
-
-
-# ---- demo --------------------------------------------------------------------------------------------------
-NUM_BLOCKS, HIDDEN, ROWS, M = 24, 8, 4, 8  # 24 blocks split over 1, 2, 3, 4, 6 or 8 stages
+        for a, calls in enumerate(logs):
+            waiting[a] = [op for op in waiting[a] if not op[1]]
+            if not waiting[a] and at[a] < len(calls):    # post the next call
+                for kind, b, nbytes, group in calls[at[a]]:
+                    op = [nbytes, False]
+                    posted.setdefault((a, b, group) if kind == "send" else (b, a, group), ([], []))[
+                        kind == "recv"].append(op)
+                    if sends_wait or kind == "recv":
+                        waiting[a].append(op)
+                at[a], moved = at[a] + 1, True
+        for sends, recvs in posted.values():
+            for snd, rcv in zip(sends, recvs):
+                if not snd[1]:
+                    if snd[0] != rcv[0]:
+                        return False                     # a receive would get a message of another size
+                    snd[1] = rcv[1] = moved = True
+    return (at == [len(c) for c in logs] and not any(op for w in waiting for op in w if not op[1])
+            and all(len(s) == len(r) for s, r in posted.values()))
 
 
 def check_pipeline(full, device, runs, variable=False, group=None, second_group=None):
-    """For each (schedule, batched, rows) in runs: micro-batches for `full` (micro-batch m has rows[m] rows),
-    alike on every rank; the loss and grads of the whole model in one process on the whole batch; one step
-    through the pipeline on `group`'s ranks, each stage checked against them. Every rank calls it; returns,
-    per run, every stage's results, once each run's recorded P2P ops replay to the end."""
-    in_pipeline = dist.get_rank(group if group is not None else dist.group.WORLD) >= 0
-    mine = [None] * len(runs)                        # stays None where this rank is not in the pipeline
-    for i, (schedule_fn, batched, rows) in enumerate(runs if in_pipeline else []):
-        gen = torch.Generator(device).manual_seed(len(rows))
-        xs = [torch.randn(n, HIDDEN, dtype=torch.float64, device=device, generator=gen) for n in rows]
-        ts = [torch.randn(n, HIDDEN, dtype=torch.float64, device=device, generator=gen) for n in rows]
-        # reference: the whole batch at once; row weights make it the mean over micro-batches of each one's MSE
-        weight = torch.cat([torch.full((n, 1), 1 / (len(rows) * n * HIDDEN), dtype=torch.float64, device=device)
-                            for n in rows])
-        full.zero_grad(set_to_none=True)
-        ref_loss = ((full(torch.cat(xs)) - torch.cat(ts)) ** 2 * weight).sum()
-        ref_loss.backward()
-        ref = {id(q): q.grad.clone() for q in full.parameters()}
+    """For each (fn, batched, rows) in runs: micro-batches for `full` (micro-batch k has rows[k] rows), alike on
+    every rank; the loss and grads of the whole model in one process on the whole batch; one step through the
+    pipeline on `group`'s ranks (fn: a schedule for run_schedule, or the hand loop train_step_1f1b), each stage
+    checked against them: loss, grads, peak held, bytes sent. Every rank calls it; returns, per run, every
+    stage's results, once each run's recorded calls replay to the end."""
+    pg = group if group is not None else dist.group.WORLD
+    mine, refs = [None] * len(runs), {}              # mine stays None where this rank is not in the pipeline
+    for i, (fn, batched, rows) in enumerate(runs if dist.get_rank(pg) >= 0 else []):
+        if tuple(rows) not in refs:
+            gen = torch.Generator(device).manual_seed(len(rows))
+            xs = [torch.randn(n, HIDDEN, dtype=torch.float64, device=device, generator=gen) for n in rows]
+            ts = [torch.randn(n, HIDDEN, dtype=torch.float64, device=device, generator=gen) for n in rows]
+            # reference: the whole batch at once; row weights make it the mean over micro-batches of each one's MSE
+            weight = torch.cat([torch.full((n, 1), 1 / (len(rows) * n * HIDDEN), dtype=torch.float64,
+                                           device=device) for n in rows])
+            full.zero_grad(set_to_none=True)
+            ref_loss = ((full(torch.cat(xs)) - torch.cat(ts)) ** 2 * weight).sum()
+            ref_loss.backward()
+            refs[tuple(rows)] = xs, ts, ref_loss.detach(), {id(q): q.grad.clone() for q in full.parameters()}
+        xs, ts, ref_loss, ref = refs[tuple(rows)]
         full.zero_grad(set_to_none=True)
         comm = P2PCommunicator((rows[0], HIDDEN), torch.float64, device, group, batched, variable, second_group)
         p, s, m = comm.num_stages, comm.stage, len(rows)
-        stage = stage_layers(full, p, s)
-        loss, trace, peak = run_schedule(stage, schedule_fn, comm, xs, ts, F.mse_loss)
+        v = V if fn is schedule_interleaved_1f1b else 1
+        stage = stage_layers(full, p, s, v)
+        with traffic() as t:
+            if fn is train_step_1f1b:
+                loss, trace, peak = train_step_1f1b(stage, comm, xs, ts, F.mse_loss), None, None
+            else:
+                loss, trace, peak = run_schedule(stage, schedule(fn, v), comm, xs, ts, F.mse_loss)
         if comm.is_last:
-            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
-        own = {id(q) for q in stage.parameters()}
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+        own = {id(q) for q in nn.ModuleList([stage] if v == 1 else stage).parameters()}
         for q in full.parameters():                  # this stage's grads are the reference's; no other grad
             assert q.grad is None if id(q) not in own else torch.allclose(q.grad, ref[id(q)], rtol=1e-9, atol=0)
-        assert peak == (min(p - s, m) if schedule_fn is schedule_1f1b else m), (s, peak)
-        sent = sum(nbytes for kind, _, nbytes in comm.log if kind == "send")
+        assert peak is None or peak == expected_peak(fn, p, s, m, v), (NAME[fn], s, peak)
         per_side = sum(n * HIDDEN * 8 + (16 if variable else 0) for n in rows)  # data (+ a 2-dim int64 shape)
-        assert sent == (2 - comm.is_first - comm.is_last) * per_side, (s, sent)
+        sends = (2 * v - (s == 0) - (s == p - 1)) * m if p > 1 else 0            # messages this stage sends
+        assert t.counts["send"] == sends * (1 + variable) and t.bytes["send"] == sends // m * per_side, (s, t.bytes)
+        assert {ranks for _, ranks, _ in t.calls} <= {tuple(dist.get_process_group_ranks(pg))}, t.calls
+        assert sum(b for call in comm.log for kind, _, b, _ in call if kind == "send") == t.bytes["send"]
         mine[i] = {"loss": None if loss is None else loss.item(), "trace": trace, "peak": peak, "log": comm.log,
-                   "sent": sent}
+                   "sent": t.bytes["send"]}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     results = [[r[i] for r in everyone if r[i] is not None] for i in range(len(runs))]
-    for stages in results:
-        assert replays_to_the_end([r["log"] for r in stages]), "a send would wait for ever"
+    for (fn, _, _), stages in zip(runs, results):  # the hand loop's sends wait; the runner's wait at the end
+        assert replays_to_the_end([r["log"] for r in stages], fn is train_step_1f1b), f"{NAME[fn]}: a wait for ever"
     return results
 
 
-def main():
-    from common import finish, head, launched_world_size, log, refuse, setup
-    W = launched_world_size()
-    if NUM_BLOCKS % W:
-        refuse(f"{NUM_BLOCKS} blocks do not split evenly over {W} stages; use 1, 2, 3, 4, 6 or 8 ranks")
-    rank, world, device = setup()
-    dist.barrier()  # NCCL: a group's first batch_isend_irecv must include all its ranks; the last stage's posts none
-    full = nn.Sequential(*(Block(HIDDEN, torch.float64, device) for _ in range(NUM_BLOCKS)))  # alike: seeded
-    name = {schedule_1f1b: "1F1B", schedule_gpipe: "GPipe"}
-    impl = lambda batched: "batched" if batched else "ordered"
-
-    head("P2P layer: send_forward_recv_backward, then send_backward_recv_forward, on every rank")
+def p2p_layer(rank, world, device):
     sent_by = lambda r, d, n: torch.randint(-9, 10, (n, 3), generator=torch.Generator().manual_seed(
         10 * r + d)).to(device, torch.float64)       # what rank r sends in direction d: every rank can rebuild it
     for batched in (True, False):
@@ -332,67 +553,210 @@ def main():
     log(f"batched and ordered, fixed and exchanged shapes: each stage got its neighbours' tensors; "
         f"sum <S x, y> = sum <x, S^T y> = {dots[0].item():.0f} (S = send_forward, S^T = send_backward)")
 
-    head("schedules: pure functions, against orders worked out by hand")
-    by_hand = [(schedule_1f1b, 2, 4, 0, "F0 F1 B0 F2 B1 F3 B2 B3"),   # warm-up 1, 3 steady pairs, cool-down 1
-               (schedule_1f1b, 2, 4, 1, "F0 B0 F1 B1 F2 B2 F3 B3"),   # the last stage: each B right after its F
-               (schedule_1f1b, 3, 4, 0, "F0 F1 F2 B0 F3 B1 B2 B3"),   # warm-up 2
-               (schedule_1f1b, 4, 2, 1, "F0 F1 B0 B1"),               # m < p: warm-up min(2, 2) is every F
-               (schedule_1f1b, 4, 2, 3, "F0 B0 F1 B1"),
-               (schedule_gpipe, 3, 2, 1, "F0 F1 B0 B1")]
-    for fn, p, m, s, want in by_hand:
-        assert " ".join(f"{o}{k}" for o, k in fn(p, s, m)) == want, (fn.__name__, p, m, s)
-    for fn, p, m, s in [(fn, p, m, s) for fn in name for p in range(1, 9) for m in range(1, 13) for s in range(p)]:
-        ops, live = fn(p, s, m), [0]                 # live: activations held after each op
-        for o, _ in ops:
-            live.append(live[-1] + (1 if o == "F" else -1))
-        assert [k for o, k in ops if o == "F"] == [k for o, k in ops if o == "B"] == list(range(m)), (fn, p, s, m)
-        # in order and never negative: B k comes after F k; at the end nothing is held
-        assert min(live) >= 0 and live[-1] == 0 and max(live) == (min(p - s, m) if fn is schedule_1f1b else m)
-    log(f"{len(by_hand)} hand-worked orders match; p <= 8, m <= 12: Fs, Bs in micro-batch order, each B after its F, "
-        f"live >= 0, ends at 0, peak min(p - stage, m) (1F1B), m (GPipe)")
 
-    head(f"{world} stages x {M} micro-batches = the whole model in one process: loss and every gradient")
-    combos = [(fn, batched, [ROWS] * M) for fn in name for batched in (True, False)]
+def schedules_checked(rank, world):
+    show = lambda ops: " ".join(label(*op) if len(op) == 3 else f"{op[0]}{op[1]}" for op in ops)
+    by_hand = [(schedule_1f1b(2, 0, 4), "F0 F1 B0 F2 B1 F3 B2 B3"),      # warm-up 1, 3 steady pairs, cool-down 1
+               (schedule_1f1b(2, 1, 4), "F0 B0 F1 B1 F2 B2 F3 B3"),      # the last stage: each B right after its F
+               (schedule_1f1b(3, 0, 4), "F0 F1 F2 B0 F3 B1 B2 B3"),      # warm-up 2
+               (schedule_1f1b(4, 1, 2), "F0 F1 B0 B1"),                  # m < p: warm-up min(2, 2) is every F
+               (schedule_gpipe(3, 1, 2), "F0 F1 B0 B1"),
+               (schedule_interleaved_1f1b(2, 0, 4, 2), "F0 F1 f0 f1 F2 b0 F3 b1 f2 B0 f3 B1 b2 b3 B2 B3"),
+               (schedule_interleaved_1f1b(2, 1, 4, 2), "F0 F1 f0 b0 f1 b1 F2 B0 F3 B1 f2 b2 f3 b3 B2 B3"),
+               (schedule_zb_h1(2, 0, 4), "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3"),
+               (schedule_zb_h1(2, 1, 4), "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3")]
+    for ops, want in by_hand:
+        assert show(ops) == want, (show(ops), want)
+    try:
+        schedule_interleaved_1f1b(4, 0, 6, 2)
+        raise AssertionError("interleaved 1F1B accepted m = 6 over 4 stages")
+    except ValueError:
+        pass
+    configs = [(fn, v, p, m) for fn, v in ((schedule_1f1b, 1), (schedule_gpipe, 1), (schedule_zb_h1, 1),
+                                           (schedule_interleaved_1f1b, 2), (schedule_interleaved_1f1b, 3))
+               for p in range(1, 9) for m in range(1, 13) if v == 1 or m % p == 0]
+    for fn, v, p, m in configs[rank::world]:         # each rank checks its share
+        traces = [[(o[0], o[1], o[2] if len(o) > 2 else 0) for o in schedule(fn, v)(p, s, m)] for s in range(p)]
+        for s, ops in enumerate(traces):
+            for c in range(v):                       # each chunk: Fs, Bs (and Ws) in micro-batch order
+                for op in "FBW" if fn is schedule_zb_h1 else "FB":
+                    assert [k for o, k, cc in ops if o == op and cc == c] == list(range(m)), (fn, p, s, m, op)
+            pos = {o: i for i, o in enumerate(ops)}
+            assert all(pos[("F", k, c)] < pos[("B", k, c)] < pos.get(("W", k, c), len(ops))
+                       for k in range(m) for c in range(v)), (fn, p, s, m)   # B after its F, W after its B
+            until_w, live, peak = "W" if fn is schedule_zb_h1 else "B", [0, 0], [0, 0]  # held F..B, F..W
+            for o, _, _ in ops:
+                live = [live[0] + (o == "F") - (o == "B"), live[1] + (o == "F") - (o == until_w)]
+                peak = [max(a, b) for a, b in zip(peak, live)]
+            assert {"B": peak[0], "W": peak[1]} == expected_peak(fn, p, s, m, v), (fn, p, s, m, peak)
+        total = {schedule_1f1b: 2 * (m + p - 1), schedule_gpipe: 2 * (m + p - 1),
+                 schedule_zb_h1: max(3 * m + p - 1, 2 * m + 2 * p - 1), schedule_interleaved_1f1b: 2 * m * v + 2 * (p - 1)}
+        assert place_on_ticks(traces, v)[1] == total[fn], (fn, v, p, m)
+        if fn is schedule_1f1b:                      # 1F1B with each B also doing W's work: 2 ticks
+            assert place_on_ticks(traces, 1, {"F": 1, "B": 2})[1] == 3 * (m + p - 1), (p, m)
+    log(f"{len(by_hand)} hand-worked orders match; {len(configs)} schedules (p <= 8, m <= 12; interleaved v = 2, 3): "
+        f"in micro-batch order, held counts as stated, ticks = the closed forms")
+
+
+def split_backward(device):
+    model = nn.Sequential(*(Block(HIDDEN, torch.float64, device) for _ in range(3)))
+    x = torch.randn(ROWS, 2 * HIDDEN, dtype=torch.float64, device=device)[:, ::2]   # a non-contiguous input
+    dy = torch.randn(ROWS, HIDDEN, dtype=torch.float64, device=device)
+    x1 = x.clone().requires_grad_()
+    model(x1).backward(dy)                           # the ordinary backward: input and weight grads at once
+    want = [x1.grad] + [q.grad for q in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    x2 = x.clone().requires_grad_()
+    y, kept = forward_keeping(model, x2)
+    x_grad, saved = backward_input(x2, y, dy, kept)
+    assert x2.grad is None and all(q.grad is None for q in model.parameters()), "B wrote a gradient"
+    assert [mod for mod, _, _ in saved] == [b.fc for b in model], saved
+    backward_weight(saved)
+    got = [x_grad] + [q.grad for q in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "B then W differs from the ordinary backward"
+    log(f"B: the input's grad and each Linear's output grad, no weight grad written; then W: "
+        f"{len(want) - 1} weight grads; together exactly the ordinary backward")
+
+
+def equal_one_process(full, device, world):
+    m_int = -(-M // world) * world                  # interleaved: m a multiple of p
+    fns = (train_step_1f1b, schedule_1f1b, schedule_gpipe, schedule_interleaved_1f1b, schedule_zb_h1)
+    combos = [(fn, batched, [ROWS] * (m_int if fn is schedule_interleaved_1f1b else M))
+              for fn in fns for batched in (True, False)]
     runs = check_pipeline(full, device, combos)
-    for (fn, batched, _), stages in zip(combos, runs):
-        log(f"{name[fn]:5} {impl(batched)}: loss {stages[-1]['loss']:.6f}, {2 * NUM_BLOCKS} grads match; "
-            f"peak live activations per stage, measured: {[r['peak'] for r in stages]}")
-    log(f"bytes sent per stage {[r['sent'] for r in runs[0]]} = m*A per neighbour (A = {ROWS}x{HIDDEN}x8); "
-        f"each run's P2P ops replay to the end with every send waiting for its receive")
-
-    head("timeline: each stage's recorded order, one tick per F or B ('.' = idle)")
-    for (fn, batched, _), stages in zip(combos, runs):
+    for (fn, batched, rows), stages in zip(combos, runs):
         if batched:
-            grid, ticks = place_on_ticks([r["trace"] for r in stages])
-            idle = ticks - 2 * M                     # every stage runs 2m ops, one per tick
-            assert idle * (M + world - 1) == ticks * (world - 1), (name[fn], idle, ticks)
-            log(name[fn])
+            a = len(rows) * ROWS * HIDDEN * 8        # m*A: one activation per micro-batch
+            held = "" if fn is train_step_1f1b else (f"; held F..B {[r['peak']['B'] for r in stages]}" + (
+                f", F..W {[r['peak']['W'] for r in stages]}" if fn is schedule_zb_h1 else ""))
+            log(f"{NAME[fn]:11} m = {len(rows)}: loss {stages[-1]['loss']:.6f}, {2 * len(full)} grads match; "
+                f"sent {[r['sent'] // a for r in stages]} x m*A{held}")
+    for i in (0, 1):                                 # batched, ordered: the loop and the runner post the same calls
+        assert [r["log"] for r in runs[i]] == [r["log"] for r in runs[2 + i]], "run_schedule != the 1F1B loop"
+    log(f"the 1F1B loop and run_schedule(schedule_1f1b) post the same calls; every run's calls replay to the end; "
+        f"A = {ROWS}x{HIDDEN}x8 bytes")
+
+
+def timelines(full, device, world):
+    m = -(-4 // world) * world
+    fns = (schedule_1f1b, schedule_interleaved_1f1b, schedule_zb_h1)
+    runs = check_pipeline(full, device, [(fn, True, [ROWS] * m) for fn in fns])
+    p, v = world, V
+    closed = {schedule_1f1b: (2 * (m + p - 1), 2 * m, "2(m+p-1) ticks"),
+              schedule_interleaved_1f1b: (2 * m * v + 2 * (p - 1), 2 * m * v, "2mv+2(p-1) chunk-ticks"),
+              schedule_zb_h1: (max(3 * m + p - 1, 2 * m + 2 * p - 1), 3 * m, "max(3m+p-1, 2m+2p-1) ticks")}
+    for fn, stages in zip(fns, runs):
+        grid, ticks = place_on_ticks([r["trace"] for r in stages], v if fn is schedule_interleaved_1f1b else 1)
+        assert ticks == closed[fn][0], (NAME[fn], ticks)
+        if world <= 4:
+            log(f"{NAME[fn]}" + (" (upper case: chunk 0, lower case: chunk 1)" if fn is schedule_interleaved_1f1b else ""))
             for s, row in enumerate(grid):
-                log(f"stage {s} |" + "".join(f"{row.get(t, '.'):>3}" for t in range(ticks)))
-    log(f"bubble, every stage, both schedules: {idle}/{ticks} ticks idle = (p-1)/(m+p-1) = "
-        f"{(world - 1) / (M + world - 1):.3f}; the same bubble, but 1F1B holds min(p - stage, m), not m")
+                log(f"stage {s} |" + "".join(f"{label(*row[t]) if t in row else '.':>3}" for t in range(ticks)))
+    one_f_one_b = place_on_ticks([r["trace"] for r in runs[0]], 1, {"F": 1, "B": 2})[1]
+    assert one_f_one_b == 3 * (m + p - 1) and (p == 1 or closed[schedule_zb_h1][0] < one_f_one_b), one_f_one_b
+    idle = {fn: f"{t - work}/{t}" for fn, (t, work, _) in closed.items()}
+    log(f"idle per stage, m = {m}, p = {p}, v = {v}: 1F1B {idle[schedule_1f1b]} = (p-1)/(m+p-1); interleaved "
+        f"{idle[schedule_interleaved_1f1b]} chunk-ticks = (p-1)/(mv+p-1)")
+    log(f"ZB-H1 (F = B = W = 1 tick) {idle[schedule_zb_h1]}, p-1 of 3m+p-1 when m >= p, where 1F1B (B doing W's "
+        f"work, 2 ticks) takes 3(m+p-1) = {one_f_one_b}")
 
-    head("1F1B for any m (1, m < p, m > p), micro-batches of different lengths: shapes travel first")
-    sweep = [(schedule_1f1b, i % 2 == 0, [1 + 3 * k % 5 for k in range(m)])      # rows 1, 4, 2, 5, 3, 1, ...
-             for i, m in enumerate(sorted({1, (world + 1) // 2, world + 1}))]
-    for (_, batched, rows), stages in zip(sweep, check_pipeline(full, device, sweep, variable=True)):
-        log(f"m = {len(rows)}, {impl(batched)}, rows {rows}: loss and grads match, ops replay; "
-            f"peak live activations {[r['peak'] for r in stages]}")
 
-    head("two stages, two groups: the ordered implementation's two-stage trick")
+def any_m(full, device, world):
+    sweep = [(fn, i % 2 == 0, [1 + 3 * k % 5 for k in range(m)])       # rows 1, 4, 2, 5, 3, 1, ...
+             for i, m in enumerate(sorted({1, (world + 1) // 2, world + 1})) for fn in (schedule_1f1b, schedule_zb_h1)]
+    sweep.append((schedule_interleaved_1f1b, False, [1 + 3 * k % 5 for k in range(2 * world)]))
+    runs = check_pipeline(full, device, sweep, variable=True)
+    for (fn, batched, rows), stages in zip(sweep, runs):
+        if fn is not schedule_1f1b:
+            log(f"m = {len(rows):2}, rows {rows[:6]}{'...' if len(rows) > 6 else ''}: 1F1B{' and ZB-H1' if fn is schedule_zb_h1 else ', interleaved'} "
+                f"({'batched' if batched else 'ordered'}): loss and grads match, calls replay; held {[r['peak']['B'] for r in stages]}")
+
+
+def two_stage_trick(full, device, world):
     try:                                             # second_group: accepted with exactly two stages
         P2PCommunicator((1,), torch.float64, device, batched=False, second_group=dist.group.WORLD)
         assert world == 2, f"second_group accepted with {world} stages"
     except ValueError:
         assert world != 2, "second_group refused with 2 stages"
     log(f"second_group with the {world}-stage world pipeline: {'accepted' if world == 2 else 'ValueError'}")
-    if world > 1:
-        pair = [world - 2, world - 1]
-        pp, second = dist.new_group(pair), dist.new_group(pair)   # every rank creates every group
-        [stages] = check_pipeline(full, device, [(schedule_1f1b, False, [ROWS] * 3)], group=pp, second_group=second)
-        log(f"ranks {pair} as stages 0 and 1, odd->even transfers on the second group: loss "
-            f"{stages[-1]['loss']:.6f}, grads match")
-    finish("P2P layer (batched, ordered, shapes, two groups); 1F1B and GPipe equal one process; memory measured")
+    if world == 1:
+        return
+    pair = [world - 2, world - 1]
+    pp, second = dist.new_group(pair), dist.new_group(pair)   # every rank creates every group
+    runs = [(schedule_1f1b, False, [ROWS] * 3), (schedule_interleaved_1f1b, False, [ROWS] * 4)]
+    for (fn, _, _), stages in zip(runs, check_pipeline(full, device, runs, group=pp, second_group=second)):
+        for s, r in enumerate(stages):               # sends from the odd stage, receives on the even one: group 1
+            groups = [g for call in r["log"] for kind, _, _, g in call]
+            assert groups == [int((kind == "send") == (s == 1)) for call in r["log"] for kind, *_ in call], groups
+        log(f"{NAME[fn]} on ranks {pair}: every odd->even transfer on the second group, even->odd on the first; "
+            f"loss {stages[-1]['loss']:.6f}, grads match")
+
+
+class Strided(nn.Module):
+    """The identity, returning a non-contiguous tensor (what a transpose leaves): P2P must copy it first."""
+
+    def forward(self, x):
+        return x.t().contiguous().t()
+
+
+def pipelines_on_subgroups(device, rank, world):
+    members = [list(range(start, world, 2)) for start in range(min(world, 2))]
+    groups = [dist.new_group(r) for r in members]    # every rank creates every group, in the same order
+    ranks, pp = members[rank % 2], groups[rank % 2]
+    p, s, vocab = len(ranks), ranks.index(rank), 11
+    gen = torch.Generator(device).manual_seed(rank % 2)   # each pipeline its own model and data
+    torch.manual_seed(rank % 2)
+    blocks = [Block(HIDDEN, torch.float64, device) for _ in range(2 * p)]
+    embed, lm_head = nn.Embedding(vocab, HIDDEN, dtype=torch.float64, device=device), nn.Linear(
+        HIDDEN, vocab, dtype=torch.float64, device=device)
+    full = nn.Sequential(embed, *blocks, lm_head)
+    stage = nn.Sequential(*([embed] if s == 0 else []), *blocks[2 * s:2 * s + 2],
+                          *([lm_head] if s == p - 1 else [Strided()]))
+    ids = torch.randint(0, vocab, (M, 2 * ROWS), device=device, generator=gen)[:, ::2]   # token ids, strided
+    targets = torch.randint(0, vocab, (M, ROWS), device=device, generator=gen)
+    ref_loss = F.cross_entropy(full(ids.reshape(-1)), targets.reshape(-1))
+    ref_loss.backward()
+    ref = {id(q): q.grad.clone() for q in full.parameters()}
+    for fn in (train_step_1f1b, schedule_1f1b, schedule_zb_h1):
+        full.zero_grad(set_to_none=True)
+        comm = P2PCommunicator((ROWS, HIDDEN), torch.float64, device, pp)
+        with traffic() as t:
+            if fn is train_step_1f1b:
+                loss = train_step_1f1b(stage, comm, list(ids), list(targets), F.cross_entropy)
+            else:
+                loss = run_schedule(stage, fn, comm, list(ids), list(targets), F.cross_entropy)[0]
+        if s == p - 1:
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
+        own = {id(q) for q in stage.parameters()}
+        for q in full.parameters():
+            assert q.grad is None if id(q) not in own else torch.allclose(q.grad, ref[id(q)], rtol=1e-9, atol=0)
+        assert {c[1] for c in t.calls} <= {tuple(ranks)}, t.calls   # on this pipeline's group, nowhere else
+        assert t.counts["send"] == (2 - (s == 0) - (s == p - 1)) * M * (p > 1), t.counts
+    log(f"pipelines {members} at once, each on its own group: token ids in (never sent), cross-entropy out; "
+        f"the 1F1B loop, run_schedule 1F1B and ZB-H1 equal one process")
+
+
+def main():
+    rank, world, device = setup()                    # any number of ranks: the model grows with it
+    dist.barrier()  # NCCL: a group's first batch_isend_irecv must include all its ranks; the last stage's posts none
+    full = nn.Sequential(*(Block(HIDDEN, torch.float64, device) for _ in range(2 * V * world)))  # alike: seeded
+    head("P2P layer: send_forward_recv_backward, then send_backward_recv_forward, on every rank")
+    p2p_layer(rank, world, device)
+    head("schedules: pure functions, against orders worked out by hand and exhaustive properties")
+    schedules_checked(rank, world)
+    head("the split backward: B (input grad) then W (weight grads) = the ordinary backward")
+    split_backward(device)
+    head(f"{world} stages = the whole model in one process: loss, every gradient, held activations, bytes sent")
+    equal_one_process(full, device, world)
+    head("timelines: each stage's recorded order, one tick per op ('.' = idle)")
+    timelines(full, device, world)
+    head("any m (1, m < p, m > p), micro-batches of different lengths: shapes travel first")
+    any_m(full, device, world)
+    head("two stages, two groups: the ordered implementation's two-stage trick")
+    two_stage_trick(full, device, world)
+    head("pipelines on sub-groups (a tp x pp grid's): token ids in, a user's loss out")
+    pipelines_on_subgroups(device, rank, world)
+    finish("P2P layer; 1F1B, GPipe, interleaved 1F1B and ZB-H1 equal one process; bubbles and memory measured")
 
 
 if __name__ == "__main__":
