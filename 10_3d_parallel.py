@@ -47,13 +47,17 @@ The demo counts every collective of one step with common.traffic(), each under i
 these forms (the same function, step_traffic, that then evaluates them for a real model at NVLink and
 InfiniBand bandwidths: formulas checked small, used at scale).
 
+Grids (dp x pp x tp): 1 -> 1x1x1, 2 -> 1x1x2, 3 -> 3x1x1, 4 -> 1x2x2, 8 -> 2x2x2 (tp 2 where it divides W, then
+pp 2 where it divides the rest, dp the rest); GRID=1x4x2 or any other product of W picks another.
+
     torchrun --nproc-per-node=8 10_3d_parallel.py            (1, 2, 4 ranks too; GRID=dpxppxtp picks the grid)
     torchrun --nproc-per-node=8 10_3d_parallel.py hidden=8192 layers=80 tp=8 pp=8 dp=16  (the scale table)
 """
 import contextlib
+import copy
 import importlib
-from types import SimpleNamespace
 from fractions import Fraction
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -70,9 +74,9 @@ data_par = importlib.import_module("09_ddp_zero2")           # ZeRO-2
 
 class Grid:
     """dp x pp x tp process groups, tp fastest: rank = (d * pp + p) * tp + t. Every rank creates every group, in
-    the same order (dist.new_group's rule). self.tp / .pp / .dp / .embedding: this rank's groups (a middle
-    stage is in no embedding group: None); self.ranks:
-    {kind: [global ranks of each group]}; self.d, .p, .t: this rank's coordinates."""
+    the same order (dist.new_group's rule). self.tp / .pp / .dp / .embedding: this rank's groups (a middle stage
+    is in no embedding group: None); self.ranks: {kind: [global ranks of each group]}; self.d, .p, .t: this
+    rank's coordinates (replica, stage, TP rank)."""
 
     def __init__(self, dp, pp, tp):
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -133,7 +137,7 @@ class GPTStage(nn.Module):
         self.layers = nn.ModuleList()
         for blk in gpt.blocks[self.first_layer:self.first_layer + per]:
             mine = nn.ModuleDict(dict(
-                ln1=_copy(blk.ln1), ln2=_copy(blk.ln2),
+                ln1=copy.deepcopy(blk.ln1), ln2=copy.deepcopy(blk.ln2),
                 attn=tp_layers.ParallelSelfAttention.from_dense(blk.attn, tp, sequence_parallel=True),
                 mlp=tp_layers.parallel_mlp(blk.mlp, tp, sequence_parallel=True)))
             for p in (*mine.ln1.parameters(), *mine.ln2.parameters(), mine.mlp[2].bias):
@@ -142,7 +146,7 @@ class GPTStage(nn.Module):
         if self.is_first:
             self.embed = vocab_par.VocabParallelEmbedding.from_dense(gpt.embed, tp)
         if self.is_last:
-            self.ln_f = _copy(gpt.ln_f)
+            self.ln_f = copy.deepcopy(gpt.ln_f)
             for p in self.ln_f.parameters():
                 p.sequence_parallel = True
             tied = nn.Linear(gpt.embed.embedding_dim, gpt.embed.num_embeddings, bias=False, device="meta")
@@ -184,12 +188,6 @@ class GPTStage(nn.Module):
             if not self.is_first:
                 out["head.weight"] = self.head.shard(val(gpt.embed.weight))[0]
         return out
-
-
-def _copy(module):
-    clone = type(module)(module.normalized_shape, dtype=module.weight.dtype, device=module.weight.device)
-    clone.load_state_dict(module.state_dict())
-    return clone
 
 
 def finalize_grads(stage: GPTStage, grid: Grid):
