@@ -349,6 +349,18 @@ def check_embedding(group, device):
     return lo, hi, int(((ids >= lo) & (ids < hi)).sum())
 
 
+def check_regions(group, device):
+    """g and f on rank-dependent values handed over as transposed views: g's forward sums every rank's x; f's
+    backward sums every rank's grad (which reaches it non-contiguous)."""
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    x = torch.randn(D, N, device=device, dtype=torch.float64)       # the same on every rank
+    y = reduce_from_tensor_model_parallel_region(x.t() * (r + 1), group)  # (N, D), not contiguous
+    torch.testing.assert_close(y, x.t() * (w * (w + 1) / 2))          # sum over ranks of (r + 1) * x
+    leaf = x.clone().requires_grad_()
+    copy_to_tensor_model_parallel_region(leaf, group).t().backward((x.t() * (r + 1)).contiguous())
+    torch.testing.assert_close(leaf.grad, x * (w * (w + 1) / 2))
+
+
 def check_loss(loss_fn, z, target, group=None, **options):
     """loss_fn on this rank's slice of z (B, T, V), handed over as a non-contiguous view, against F.cross_entropy
     on all of z in float64: the loss and dlogits under a non-uniform upstream grad, in z's dtype within TOL.
@@ -415,9 +427,9 @@ def section_loss(rank, world, device):
     b = 8  # float64 here
     log(f"forward: 1 all-gather of 3 numbers per token (Megatron: 3 all-reduces of 1); backward: nothing, both")
     log(f"N={N}, b={b}: both hand in 3N*b = {3 * N * b} B; the all-gather sends (W-1)*3N*b = "
-        f"{(world - 1) * 3 * N * b} B, the all-reduces 6(W-1)/W*N*b = {6 * (world - 1) * N * b // world} B")
-    log(f"every rank returns the identical loss; the input is untouched; the largest tensor any op made is "
-        f"N x V/W = {N * V // world} elements (the full logits: {N * V})")
+        f"{(world - 1) * 3 * N * b} B, all-reduces 6(W-1)/W*N*b = {6 * (world - 1) * N * b // world} B")
+    log(f"same loss on every rank, input untouched; the largest tensor any op made: N x V/W = {N * V // world} "
+        f"elements (the full logits: {N * V})")
 
 
 def section_dtypes(rank, world, device):
@@ -433,8 +445,10 @@ def section_dtypes(rank, world, device):
         _, fwd = check_loss(megatron_vocab_parallel_cross_entropy, z, target, label_smoothing=0.1)
         assert fwd.calls == loss_calls(None, 4, megatron=True)
         name = str(dtype).removeprefix("torch.")
-        log(f"{name}: loss (per token; mean over the tokens not ignored; sum) and dlogits, in {name}, equal "
-            f"F.cross_entropy in float64 within rtol={TOL[dtype]['rtol']:.2g}; Megatron's form too")
+        log(f"{name}: both forms' loss and dlogits, in {name}, equal F.cross_entropy in float64 within "
+            f"rtol={TOL[dtype]['rtol']:.2g}")
+    log("the one-collective form with ignore_index -100 and 7 (inside [0, V)); reduction none, mean over the tokens "
+        "not ignored, sum")
     z = torch.randn(B, T, V, device=device, dtype=torch.float64)
     loss, _ = check_loss(vocab_parallel_cross_entropy, z, torch.full_like(target, -100))  # the default: mean
     assert loss.isnan()
@@ -461,9 +475,10 @@ def section_subgroups(rank, world, device):
         fn = megatron_vocab_parallel_cross_entropy if megatron else vocab_parallel_cross_entropy
         _, fwd = check_loss(fn, z, target, group, label_smoothing=0.1, reduction="sum")
         assert fwd.calls == loss_calls(group, 8, megatron)
+    check_regions(group, device)
     check_lm_head(group, device)
     log_all(f"group {list(ranks_of(group))}, group rank {dist.get_rank(group)}: rows [{lo}, {hi})")
-    log("embedding, LM head and both losses equal their references on the sub-groups, with traffic on them only")
+    log("embedding, f and g, LM head and both losses equal their references on the sub-groups, traffic on them only")
 
 
 def check_lm_head(group, device):
@@ -496,9 +511,12 @@ def check_lm_head(group, device):
 
 def section_lm_head(rank, world, device):
     head("5. LM head with tied weights: embed, mix, logits from the embedding's own shard, mean loss")
+    check_regions(None, device)
     mine, dense = check_lm_head(None, device)
-    log(f"loss, tied-weight grad shard and mixing grad equal the dense model's; forward: 1 all-reduce (embedding, "
-        f"N*D={N * D}) + 1 all-gather (loss, 3N={3 * N}); backward: 1 all-reduce (f on dL/dhidden, N*D)")
+    log("f and g on rank-dependent transposed views: g sums the values over the ranks, f's backward the grads")
+    log("loss, tied-weight grad shard and mixing grad equal the dense model's")
+    log(f"forward: 1 all-reduce (embedding, N*D={N * D}) + 1 all-gather (loss, 3N={3 * N}); backward: 1 all-reduce "
+        f"(f on dL/dhidden, N*D)")
     log(f"logits per rank: {mine} bytes = 1/{world} of the dense {dense}")
 
 
@@ -513,7 +531,7 @@ def main():
     section_subgroups(rank, world, device)
     section_lm_head(rank, world, device)
     finish("vocab-parallel embedding, tied LM head and cross-entropy in one all-gather (bf16/fp16, ignore_index, "
-           "label smoothing over the global vocabulary; on sub-groups) equal the dense model, forward and backward")
+           "global label smoothing, sub-groups) equal the dense model, forward and backward")
 
 
 if __name__ == "__main__":
