@@ -256,6 +256,8 @@ def deadlock(rank, W, device):
     for n in range(2, 9):
         assert not completes(naive(n)) and not completes(both_naive(n)), n
         assert completes(shift(n)) and completes(both(n)), n
+    # ranks 0 and 1 finish, rank 2 waits for a message nobody sends: still a hang
+    assert not completes([[("send", 1, TAG_RIGHT)], [("recv", 0, TAG_RIGHT)], [("recv", 0, TAG_LEFT)]])
     log("ring shift, sends first on every rank: rank r waits for r+1's recv, which waits behind r+1's send...")
     log("   ... around the ring back to r: a cycle, deadlock at every W in 2..8 (played, not run)")
     log("even ranks send first, odd ranks receive first: completes at every W in 2..8, odd W included")
