@@ -380,11 +380,15 @@ class ZeRO3(ZeRO2):
         for b in buckets:
             b.users += 1
 
-    def _before_forward(self, buckets, module, args):
+    def _use(self, buckets, after):
         for b in buckets:
-            self._gather(b)  # now, unless it is gathered or a prefetch is in flight
-        super()._before_forward(buckets, module, args)  # waits
-        self._prefetch(buckets[-1].index - 1)  # the next bucket in forward order
+            self._gather(b)  # now, unless it is gathered or a prefetch is on its way
+        for b in buckets:
+            self._wait(b)
+        self._prefetch(after)
+
+    def _before_forward(self, buckets, module, args):
+        self._use(buckets, after=buckets[-1].index - 1)  # prefetch the next bucket in forward order
 
     def _after_forward(self, buckets, module, args, out):
         for b in buckets:
@@ -397,10 +401,7 @@ class ZeRO3(ZeRO2):
                 t.register_hook(functools.partial(self._before_backward, buckets))
 
     def _before_backward(self, buckets, grad):
-        for b in buckets:
-            self._gather(b)
-            self._wait(b)
-        self._prefetch(buckets[-1].index + 1)  # the next bucket in backward order
+        self._use(buckets, after=buckets[-1].index + 1)  # prefetch the next bucket in backward order
 
     def _grad_ready(self, b, p):
         super()._grad_ready(b, p)
@@ -537,9 +538,9 @@ def train_and_compare(cls, optim, group, ranks, device, base):
         assert counts.count("all_gather") == {DDP: 0, ZeRO2: nb, ZeRO3: 2 * M * nb}[cls], counts
         assert wire_times_w(calls) == SENT[cls](M, R) * (W - 1) * V, (cls.__name__, mode, wire_times_w(calls))
         units.append(SENT[cls](M, R))
-    for name, p in model.full_parameters().items():
-        torch.testing.assert_close(p, ref.get_parameter(name), rtol=1e-10, atol=1e-12,
-                                   msg=lambda m: f"{cls.__name__} {name}: {m}")
+        for name, p in model.full_parameters().items():  # after every step
+            torch.testing.assert_close(p, ref.get_parameter(name), rtol=1e-10, atol=1e-12,
+                                       msg=lambda m: f"{cls.__name__} step {step} {name}: {m}")
     return units
 
 
@@ -705,11 +706,17 @@ def check_overlap(rank, W, device, base):
                         b.gather is not None or b.flat.untyped_storage().nbytes() for b in mine)), prepend=True)
                     m.register_forward_pre_hook(lambda *_, bs=model.buckets: forwards.append(
                         sum(b.gather is not None for b in bs)))
+            arrived = set()  # DDP: a bucket's all-reduce starts as soon as its last gradient is in, not later
+
+            def on_grad(p, bs=model.buckets):
+                arrived.add(id(p))
+                grads.append(sum(b.work is not None for b in bs))
+                full = sum(all(id(q) in arrived for q in b.params) for b in bs)
+                assert cls is not DDP or not overlap or grads[-1] == full, (grads, full)
             for p in model.module.parameters():
-                p.register_post_accumulate_grad_hook(lambda _: grads.append(sum(b.work is not None
-                                                                                for b in model.buckets)))
+                p.register_post_accumulate_grad_hook(on_grad)
             for step in range(2):  # the second step is timed
-                grads.clear(), forwards.clear(), ahead.clear()
+                grads.clear(), forwards.clear(), ahead.clear(), arrived.clear()
                 sync(device), dist.barrier()
                 t0 = time.perf_counter()
                 forward_backward(model, next(iter(MODES)), *rank_batch(step, rank, device))
