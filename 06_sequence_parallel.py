@@ -29,26 +29,32 @@ against 2(P-1)/P * V for Megatron SP's all-gather in and reduce-scatter out of t
 
 Ring attention (context parallelism: Liu et al. 2023; Megatron CP, torch's context_parallel). No head split, so
 no cap: K and V go round a ring of P ranks while each rank keeps its own queries. Under a causal mask a
-contiguous split gives rank 0 one block of work and rank P-1 P blocks; zig-zag cuts the sequence into 2P chunks
-and gives rank r chunks r and 2P-1-r, an early one and a late one, so every rank does the same work:
+contiguous split gives rank r about (r + 1/2)(s/P)^2 query-key pairs, rank P-1 2P-1 times rank 0's; zig-zag cuts
+the sequence into 2P chunks and gives rank r chunks r and 2P-1-r, an early one and a late one: s(s+1)/2P each.
 
     chunks  c0 c1 c2 c3 c4 c5 c6 c7 (P = 4)     R0 [c0 c7]  R1 [c1 c6]  R2 [c2 c5]  R3 [c3 c4]
     step t: rank r attends with its q to the K, V of rank r-t, while sending them on to r+1 and receiving
             those of r-t-1 (posted before the step's compute, waited after it):  R0 -> R1 -> R2 -> R3 -> R0
-    causal: a K chunk later than the Q chunk is skipped, the same chunk masked; per rank 2P+1 chunk blocks
-            (3 at step 0, 2 at each of the P-1 others) where a contiguous split gives 1, 3, 5, 7 half-blocks.
+    causal: a K chunk later than the Q chunk is skipped, the same chunk masked: every rank computes 2P+1
+            chunk-by-chunk blocks, 3 at step 0 (two of them masked) and 2 at each of the P-1 others.
 
 Partial results merge by their log-sum-exp (online softmax, fp32 inside): o = o1 e^(l1-l) + o2 e^(l2-l),
 l = log(e^l1 + e^l2). Backward recomputes each block's probabilities from the saved l: dq stays on its rank,
 dk and dv travel the ring with K and V and arrive, after one more hop, at their owner.
 Bytes each rank sends, with its K and V slices of b*(s/P)*h*d*bytes each: forward (P-1) * 2 slices; backward the
-same again plus P * 2 slices of dk, dv (in fp32 for bf16). Each step computes ~(s/P)^2 pairs and moves ~s/P
+same again plus P * 2 slices of dk, dv (in fp32 for bf16; none at P = 1). Each step computes ~(s/P)^2 pairs and moves ~s/P
 rows: a long enough local sequence hides the ring behind the compute.
 All-gather CP (Llama 3) all-gathers the whole sequence's K and V instead, then attends its zig-zag queries:
 with grouped-query attention (8 K/V heads against 128 query heads) that all-gather is small next to the
 attention compute, it allows any mask (documents packed in one sequence), and it is one collective, not P-1
 steps to hide. The ring wins when K and V are large (many K/V heads), when the whole sequence's K and V do not
 fit on one device, or across slow links where only an overlapped transfer is affordable.
+
+Which one. Megatron SP goes with TP (TP's bytes, one all-gather more in backward, 1/tp of the activations around
+the block). Ulysses moves 2/P of that per attention layer but needs P <= heads (K/V heads under GQA) and a fast
+all-to-all: inside a node.
+Ring (or all-gather) CP has no head limit and hides its transfers behind attention: the longest sequences, and
+the ranks beyond what heads allow, often across nodes; Ulysses and ring compose (heads inside, ring outside).
 
     torchrun --nproc-per-node=4 06_sequence_parallel.py
 """
@@ -487,8 +493,7 @@ def ints(shape, seed, device):
 
 
 def vjp(out, inputs, dout):
-    """The gradients of <out, dout> with respect to inputs (a scalar root: torch.autograd.grad with grad_outputs
-    imports torch's symbolic-shape machinery on first use, seconds per process)."""
+    """The gradients of <out, dout> with respect to inputs: dout pulled back through out."""
     return torch.autograd.grad((out * dout).sum(), inputs)
 
 
@@ -505,7 +510,7 @@ def adjoint_checked(op, x, group=None, replicated=False):
     x = x.detach().requires_grad_()
     out = op(x)
     y = ints(out.shape, 1000 + dist.get_rank(), x.device)
-    (g,) = torch.autograd.grad((out * y).sum(), x)
+    (g,) = vjp(out, x, y)
     once = dist.get_rank(group) == 0 or not replicated
     sides = torch.stack([(out * y).sum(), (x * g).sum() * once]).detach()
     dist.all_reduce(sides, group=group)
@@ -577,10 +582,10 @@ def mlp_block_checks(groups, device):
     ref = x_ref + F.linear(F.gelu(F.linear(F.layer_norm(x_ref, (H,), dense["ln_w"], dense["ln_b"]),
                                            dense["w1"], dense["b1"])), dense["w2"], dense["b2"])
     (ref * dy).sum().backward()
-    V, e = S * B * H * 8, 8                                                  # activation bytes; bytes per float64
+    every_run = {}
     for group in groups:
-        P, r, ranks = dist.get_world_size(group), dist.get_rank(group), members(group)
-        runs = mlp_runs(dense, x, dy, group)
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+        runs = every_run[group] = mlp_runs(dense, x, dy, group)
         tp, sp, shard = runs[False], runs[True], runs["shard"]
         torch.testing.assert_close(tp["y"], ref)
         torch.testing.assert_close(sp["y"], tp["y"].chunk(P)[r])
@@ -591,13 +596,26 @@ def mlp_block_checks(groups, device):
             torch.testing.assert_close(sp["p"][k].main_grad if k == "w1" else sp["p"][k].grad, tp["p"][k].grad)
         off = max((sp["p"][k].grad - dense[k].grad).abs().max().item() for k in ("ln_w", "ln_b", "b2"))
         assert P == 1 or off > 1e-3
-        with traffic() as fix:
+        with traffic() as runs["fix"]:
             allreduce_sequence_parallel_grads(sp["p"].values(), group)
         for k in ("ln_w", "ln_b", "b2"):
             torch.testing.assert_close(tp["p"][k].grad, dense[k].grad)
             torch.testing.assert_close(sp["p"][k].grad, dense[k].grad)
+        if group is None:
+            log(f"output, x grad, fc1 and fc2 grads: SP == TP == dense, each rank computing s/tp = {S // P} rows of LN")
+            log(f"LN weight, LN bias, fc2 bias grads as each rank has them: off by up to {off:.3f} (each saw s/tp)")
+            log(f"after allreduce_sequence_parallel_grads of those {3 * H} values: equal to dense (Megatron-LM#443)")
+    log(f"the same on sub-groups {members(groups[-1])}, ..: group rank != global rank")
+    return every_run
+
+
+def mlp_traffic(every_run):
+    V, e = S * B * H * 8, 8                                                  # activation bytes; bytes per float64
+    for group, runs in every_run.items():
+        P, ranks, tp, sp = dist.get_world_size(group), members(group), runs[False], runs[True]
         expect = lambda **counts: counts if P > 1 else {}   # a group of one rank issues no collective
-        assert dict(fix.counts) == expect(all_reduce=1) and sent(fix, ranks) == 2 * (P - 1) * 3 * H * e // P
+        assert dict(runs["fix"].counts) == expect(all_reduce=1)
+        assert sent(runs["fix"], ranks) == 2 * (P - 1) * 3 * H * e // P
         ring = 2 * (P - 1) * V // P                   # a ring all-reduce of V, or an all-gather plus a reduce-scatter
         assert dict(tp["fwd"].counts) == dict(tp["bwd"].counts) == expect(all_reduce=1)
         assert sent(tp["fwd"], ranks) == sent(tp["bwd"], ranks) == ring
@@ -608,13 +626,12 @@ def mlp_block_checks(groups, device):
         act = 2 * S * B * (FFN // P) * e              # fc1's output (GeLU's input) and GeLU's output, [s, b, f/tp]
         assert tp["kept"] == ln + act and sp["kept"] == ln // P + act
         if group is None:
-            log(f"output, x grad, fc1 and fc2 grads: SP == TP == dense, each rank computing s/tp = {S // P} rows of LN")
-            log(f"LN weight, LN bias, fc2 bias grads as each rank has them: off by up to {off:.3f} (each saw s/tp)")
-            log(f"after one all-reduce of those {3 * H} values ({sent(fix)} B sent): equal to dense (Megatron-LM#443)")
-            log(f"forward:  TP 1 all-reduce, SP all-gather + reduce-scatter: each sends 2(tp-1)/tp*V = {ring} B")
+            log(f"forward:  TP 1 all-reduce, SP all-gather + reduce-scatter: each sends 2(tp-1)/tp*V = {ring} B, "
+                f"V = {V} B")
             log(f"backward: TP {ring} B; SP {sent(sp['bwd'])} B = the same + (tp-1)/tp*V, fc1 gathering its input")
+            log(f"LN grads' all-reduce: 2(tp-1)/tp x {3 * H * e} B = {sent(runs['fix'])} B")
             log(f"kept for backward: TP {tp['kept']} B, SP {sp['kept']} B: LN in/out/stats {ln} B -> {ln // P} B")
-    log(f"all of it also on sub-groups {members(groups[-1])}, ..: group rank != global rank")
+    log(f"counts and bytes asserted on the world and on sub-groups {members(list(every_run)[-1])}, ..")
 
 
 def linear_overlap(groups, device):
@@ -826,8 +843,10 @@ def main():
     groups = (None, sub)
     head("the sequence-parallel regions: values and adjoints, on rank-dependent inputs")
     regions(groups, device)
-    head(f"an MLP block on [s, b, h] = [{S}, {B}, {H}], ffn {FFN}: dense == TP == SP; traffic and memory")
-    mlp_block_checks(groups, device)
+    head(f"an MLP block on [s, b, h] = [{S}, {B}, {H}], ffn {FFN}: dense == TP == SP, forward and backward")
+    every_run = mlp_block_checks(groups, device)
+    head("one block's traffic and activation memory, TP vs SP, measured")
+    mlp_traffic(every_run)
     head("overlap: grad_x's reduce-scatter travels while dW accumulates into main_grad")
     linear_overlap(groups, device)
     head(f"Ulysses: q, k, v [b, s/P, h, d] all-to-all to [b, s, h/P, d], {NH} heads")
