@@ -271,10 +271,12 @@ def reduce_section(rank, device, todo):
         g = torch.Generator().manual_seed(k)
         token_losses = [torch.rand(r + 1, generator=g, dtype=F64).to(device) * 4 for r in members]  # counts differ
         mine = token_losses[members.index(rank)]
+        stats_of = lambda: torch.tensor([mine.sum().item(), mine.numel()], dtype=F64, device=device)
+        stats = stats_of()                                                  # [sum, count], not the mean
         with traffic() as t:
-            total = reduce_to(torch.stack([mine.sum(), torch.tensor(float(mine.numel()), device=device)]), root,
-                              group=group)                                  # [sum, count], not the mean
+            total = reduce_to(stats, root, group=group)
             worst = reduce_to(mine.max(), root, op=dist.ReduceOp.MAX, group=group)
+        assert torch.equal(stats, stats_of())                               # the input is untouched
         every = torch.cat(token_losses)                                     # reference: all tokens in one process
         if rank == root:
             torch.testing.assert_close(total[0] / total[1], every.mean())
@@ -293,11 +295,12 @@ def transposes_section(rank, device, todo):
     for k, group, members, root in todo:
         n = len(members)
         everywhere = lambda v: _all_reduce(torch.tensor([float(v)], dtype=F64, device=device), group)
-        x, y = ints(k, 5, device=device), (ints(k, 10, device=device) + 10 * rank)[::2]  # y: a strided view
+        y_of = lambda: (ints(k, 5, 2, device=device) + 10 * rank).T  # [2, 5], a transposed view; differs per rank
+        x, y = ints(k, 2, 5, device=device), y_of()
         bx, ry = x.clone(), reduce_to(y, dst=root, group=group)
         dist.broadcast(bx, root, group=group)
-        lhs, rhs = everywhere(bx @ y), everywhere(x @ ry if rank == root else 0)
-        assert torch.equal(lhs, rhs)                      # sum_r <broadcast(x), y_r> == <x, reduce(y)>
+        lhs, rhs = everywhere((bx * y).sum()), everywhere((x * ry).sum() if rank == root else 0)
+        assert torch.equal(lhs, rhs) and torch.equal(y, y_of())  # sum_r <broadcast(x), y_r> == <x, reduce(y)>
         xs, ys = ints(k, 2 * n, device=device), ints(k, 2, device=device) + 10 * rank
         sx = scatter_along_dim(xs, torch.empty(2, dtype=F64, device=device), 0, src=root, group=group)
         gy = gather_along_dim(ys, 0, dst=root, group=group)
