@@ -169,12 +169,12 @@ def _ring_steps(chunks, first, add, group):
         got = inbox[:recv.numel()]                      # chunks are slices of one flat tensor: contiguous
         to_next = lambda: dist.isend(send, group=group, group_dst=(r + 1) % W)
         from_prev = lambda: dist.irecv(got, group=group, group_src=(r - 1) % W)
-        # Even ranks post the send first, odd ranks the receive. Played as blocking sends (gloo's send; NCCL's
-        # above its eager size), a ring where every rank sends first waits on itself. On NCCL, isend/irecv to
-        # different peers run on separate streams (pytorch#132852), so for W > 2 the order is free there; but at
-        # W = 2 next and prev are the same peer, a send and a receive with one peer share a stream and run in
-        # the order posted, and if both ranks sent first each send would wait on a receive queued behind the
-        # other's. The order matters the same way inside one grouped launch (batch_isend_irecv).
+        # Even ranks post the send first, odd ranks the receive. Played as blocking sends (gloo's dist.send;
+        # NCCL's above its eager size), a ring where every rank sends first waits on itself. With isend/irecv on
+        # NCCL, ops to different peers run on separate streams (pytorch#132852), so at W > 2 the order is free
+        # there; at W = 2 next and prev are one peer, whose send and receive share one stream and run in the
+        # order posted: if both ranks sent first, each one's send would wait for the peer's receive, queued
+        # behind the peer's own send. The order of posts matters the same way inside one grouped launch.
         reqs = [to_next(), from_prev()] if r % 2 == 0 else [from_prev(), to_next()]
         for req in reqs:
             req.wait()
@@ -221,8 +221,8 @@ def members_of(group):
 
 
 def strided(t):
-    """t's values as a non-contiguous view (every other element of a buffer twice the size)."""
-    return torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+    """t's values as a non-contiguous view: stored transposed (2-d and up), or every other element (1-d)."""
+    return t.mT.contiguous().mT if t.dim() > 1 else torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
 
 
 def completes(posts):
