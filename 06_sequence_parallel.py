@@ -693,13 +693,14 @@ def ulysses(groups, device):
             log(f"attention, causal and not: output, dq, dk, dv == SDPA on the whole sequence; {NH // P} heads a rank")
             log(f"forward bytes per rank, V = b*s*h*d*bytes = {V} B: 4 all-to-alls send 4(P-1)/P^2*V = {sent(uly)} B,"
                 f" 2/P of Megatron SP's {2 * (P - 1) * V // P} B")
-    if dist.get_world_size() > 1:
-        try:
-            all_to_all_4d(torch.zeros(B, 2, RING_HEADS, D, device=device), 2, 1)
-            raise AssertionError(f"{RING_HEADS} heads accepted")
+    W = dist.get_world_size()
+    for shape, dims, what in (((B, 2, RING_HEADS, D), (2, 1), "heads"), ((B, W + 1, NH, D), (1, 2), "sequence")):
+        try:                                    # 5 heads (ring attention's) on Ulysses; a sequence slice of W + 1
+            all_to_all_4d(torch.zeros(shape, device=device), *dims)
+            assert W == 1, f"{shape} accepted"
         except ValueError as err:
-            assert str(err) == f"heads={RING_HEADS} is not divisible by the group size {dist.get_world_size()}"
-            log(f"{RING_HEADS} heads refused: ValueError: {err}")
+            assert str(err) == f"{what}={shape[dims[0]]} is not divisible by the group size {W}", err
+            log(f"refused: ValueError: {err}")
     log(f"the same on sub-groups {members(groups[-1])}, ..")
 
 
