@@ -16,19 +16,26 @@ The first linear is split by output columns (ColumnParallelLinear), the second b
     gather_from_tensor_model_parallel_region       forward: all-gather      backward: split last dim
 Attention is split the same way by heads: QKV column-parallel, output projection row-parallel.
 
-Sequence parallelism (sequence_parallel=True; Korthikanti et al. 2022) keeps only 1/p of the sequence on each rank
-between blocks, and f and g become the two halves of g's all-reduce:
+Sequence parallelism (sequence_parallel=True; Korthikanti et al. 2022): between blocks each rank keeps only its
+part of the sequence. g's all-reduce becomes its first half, a reduce-scatter, and f becomes the second, an
+all-gather before the next block:
+
+    rank 0:  X_0 --+                      +--> X A_0 .. Z_0 B_0 --+                          +--> Y_0 (+ b)
+                   all-gather along s                             reduce-scatter along s
+    rank 1:  X_1 --+                      +--> X A_1 .. Z_1 B_1 --+                          +--> Y_1 (+ b)
+    (rank r holds X_r [b, s/p, h])   (every rank holds X [b, s, h])            (rank r holds Y_r [b, s/p, h])
+
     gather_from_sequence_parallel_region           forward: all-gather s    backward: reduce-scatter s
     reduce_scatter_to_sequence_parallel_region     forward: reduce-scatter  backward: all-gather s
-    rank r:  X_r [b, s/p, h] --all-gather--> X [b, s, h] --column, GeLU, row--> partial sum --reduce-scatter--> Y_r
-Here activations are batch-first [b, s, h] (as nn.MultiheadAttention(batch_first=True)): the sequence is dim 1.
+The activations here are batch-first [b, s, h] (as nn.MultiheadAttention(batch_first=True)): s is dim 1.
 06 teaches sequence parallelism in Megatron's sequence-first [s, b, h] layout, where it is dim 0.
 
 Bytes each rank sends per block, for activations of V = batch * seq * hidden * bytes: a ring all-reduce of
 2 (p-1)/p * V forward (g) and the same backward (f); 4 all-reduces per transformer layer (MLP + attention).
 With SP, an all-gather (p-1)/p * V and a reduce-scatter (p-1)/p * V each way: the same 2 (p-1)/p * V.
 scatter sends nothing; gather (all-gather) sends (p-1)/p of the gathered tensor.
-Parameters: each rank holds 1/p of every weight and column bias; the row layer's bias is whole on every rank.
+Parameters: each rank holds 1/p of every weight and column bias; the row layer's bias is whole on every rank
+(with SP its gradient is a partial sum over the ranks' parts of s: allreduce_sequence_parallel_grads sums it).
 In training, TP groups are ranks on one node (the heaviest traffic), nested in a data-parallel grid:
     4 ranks as TP 2 x DP 2:  TP groups [0, 1] [2, 3] (inside a node),  DP groups [0, 2] [1, 3] (across nodes)
 
@@ -519,15 +526,13 @@ def dense_blocks(seed, device, dtype=F64):
     mlp = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN)).to(device, dtype)
     mha = nn.MultiheadAttention(HIDDEN, HEADS, batch_first=True, device=device, dtype=dtype)
     causal = nn.Transformer.generate_square_subsequent_mask(SEQ, device=device, dtype=dtype)
-    mlp_grads = lambda par: [(par[0], mlp[0].weight.grad, mlp[0].bias.grad), (par[2], mlp[2].weight.grad,
-                                                                              mlp[2].bias.grad)]
+    mlp_grads = lambda par: [(par[i], mlp[i].weight.grad, mlp[i].bias.grad) for i in (0, 2)]  # fc1, fc2
     attn_grads = lambda par: [(par.qkv, head_major(mha.in_proj_weight.grad, HEADS),
                                head_major(mha.in_proj_bias.grad, HEADS)),
                               (par.proj, mha.out_proj.weight.grad, mha.out_proj.bias.grad)]
     return {"MLP": (mlp, mlp, mlp_grads, parallel_mlp),
             "attention": (mha, lambda x: mha(x, x, x, need_weights=False, attn_mask=causal, is_causal=True)[0],
                           attn_grads, ParallelSelfAttention.from_dense)}
-
 
 
 def mlp_and_attention(groups, device, sp=False):
@@ -549,7 +554,7 @@ def mlp_and_attention(groups, device, sp=False):
             kind = "all-gather + reduce-scatter" if sp else "one all-reduce"
             log(f"{name}: output, input grad, every grad shard == dense; {kind} each way: {wire(t, p) / 2:g} "
                 f"bytes on the wire = 2 ({p}-1)/{p} * {V}")
-            per_rank, whole = (sum(t.nbytes for t in m.parameters()) for m in (par, dense))
+            per_rank, whole = (sum(q.nbytes for q in m.parameters()) for m in (par, dense))
             bias = HIDDEN * F64.itemsize  # the row layer's bias: the one parameter kept whole, not split
             assert p * per_rank == whole + (p - 1) * bias, (per_rank, whole, bias)
             if not sp:
@@ -608,7 +613,8 @@ def tp_dp_grid(device):
     p_mlp = parallel_mlp(mlp, group=tp_group)
     xs = [ints(10 + d, BATCH, SEQ, HIDDEN, device=device) for d in range(dp)]
     dys = [ints(20 + d, BATCH, SEQ, HIDDEN, device=device) for d in range(dp)]
-    check_against_dense(mlp, p_mlp, xs[dp_rank], dys[dp_rank], tp_group, lambda: grads(p_mlp))  # g: TP group only
+    t = check_against_dense(mlp, p_mlp, xs[dp_rank], dys[dp_rank], tp_group, lambda: grads(p_mlp))
+    assert names(t) == (["all_reduce"] * 2 if tp > 1 else []), t.calls  # g and f, on the TP group only
     for p in p_mlp.parameters():                                # DP: average each grad shard over the replicas
         dist.all_reduce(p.grad, group=dp_group)
         p.grad /= dp
