@@ -311,7 +311,7 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
                  the most micro-batches (x chunks) held at once, measured: {"B": from F until B, "W": until W}
     Each op's output is sent as soon as it is made and waited for only at the end of the step; each input is
     received just before its op. The send after an F or B and the receive before the next F or B go in one
-    call when they are with the same stage: where it runs them the other way round, each end would send first.
+    call when the stage at the other end makes that input before it takes this output (both would send first).
     """
     p, s, m = comm.num_stages, comm.stage, len(inputs)
     chunks = [stages] if isinstance(stages, nn.Module) else list(stages)
@@ -319,6 +319,8 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
     ops_of = lambda st: [(o[0], o[1], o[2] if len(o) > 2 else 0) for o in schedule_fn(p, st, m)]
     mine = ops_of(s)
     theirs = {st: ops_of(st) for st in ((s - 1) % p, (s + 1) % p)}
+    if {c for _, _, c in mine} != set(range(v)):
+        raise ValueError(f"the schedule runs chunks {sorted({c for _, _, c in mine})}; this stage has {v} chunk(s)")
     split = any(op == "W" for op, _, _ in mine)
 
     def link(op, mb, c, out):                        # (side, stage, op) at the other end of this op's output or
@@ -450,10 +452,24 @@ def place_on_ticks(traces, num_chunks=1, ticks=None):
     return rows, max(free)
 
 
-def replays_to_the_end(logs, sends_wait):
-    """Replay each stage's calls (comm.log): a call posts its ops; the i-th send from a to b on a group meets
-    the i-th receive there, of the same bytes; a call ends when its receives (sends_wait: and sends) are met,
-    then the next one posts. True if every stage gets to the end and every message is received."""
+def replays_to_the_end(logs, one_by_one=True):
+    """Replay each stage's posted ops (comm.log): True if every stage gets to the end, each message received
+    whole. one_by_one: each op, in the order posted, waits until its peer reaches the matching op (a send meets a
+    receive of the same bytes on the same group: what NCCL does with two ranks' P2P on one group). Else a call
+    posts all its ops and waits only for its receives (the runner waits for its sends at the end of the step);
+    the i-th send from a to b on a group meets the i-th receive there."""
+    if one_by_one:
+        ops = [[op for call in calls for op in call] for calls in logs]
+        pos, moved = [0] * len(ops), True
+        while moved:
+            moved = False
+            for a, mine in enumerate(ops):
+                if pos[a] < len(mine):
+                    kind, b, nbytes, group = mine[pos[a]]
+                    if pos[b] < len(ops[b]) and ops[b][pos[b]] == ("recv" if kind == "send" else "send", a,
+                                                                   nbytes, group):
+                        pos[a], pos[b], moved = pos[a] + 1, pos[b] + 1, True
+        return pos == [len(o) for o in ops]
     posted, at, waiting = {}, [0] * len(logs), [[] for _ in logs]
     moved = True
     while moved:
@@ -465,7 +481,7 @@ def replays_to_the_end(logs, sends_wait):
                     op = [nbytes, False]
                     posted.setdefault((a, b, group) if kind == "send" else (b, a, group), ([], []))[
                         kind == "recv"].append(op)
-                    if sends_wait or kind == "recv":
+                    if kind == "recv":
                         waiting[a].append(op)
                 at[a], moved = at[a] + 1, True
         for sends, recvs in posted.values():
@@ -525,8 +541,8 @@ def check_pipeline(full, device, runs, variable=False, group=None, second_group=
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     results = [[r[i] for r in everyone if r[i] is not None] for i in range(len(runs))]
-    for (fn, _, _), stages in zip(runs, results):  # the hand loop's sends wait; the runner's wait at the end
-        assert replays_to_the_end([r["log"] for r in stages], fn is train_step_1f1b), f"{NAME[fn]}: a wait for ever"
+    for (fn, _, _), stages in zip(runs, results):  # op by op, but the interleaved ring: its sends wait at the end
+        assert replays_to_the_end([r["log"] for r in stages], fn is not schedule_interleaved_1f1b), NAME[fn]
     return results
 
 
@@ -550,8 +566,17 @@ def p2p_layer(rank, world, device):
                         zero if got_next is None else (x * got_next).sum()])     # <x, S^T y> on this rank
     dist.all_reduce(dots)
     assert dots[0] == dots[1], dots
-    log(f"batched and ordered, fixed and exchanged shapes: each stage got its neighbours' tensors; "
-        f"sum <S x, y> = sum <x, S^T y> = {dots[0].item():.0f} (S = send_forward, S^T = send_backward)")
+    if world % 2 == 0:                               # all four at once, on a ring: even/odd order pairs every link
+        comm = P2PCommunicator((2, 3), torch.float64, device, batched=False)
+        from_prev, from_next = comm.communicate(send_next=x, send_prev=y, recv_prev=True, recv_next=True)
+        assert torch.equal(from_prev, sent_by((rank - 1) % world, 0, 2)), from_prev
+        assert torch.equal(from_next, sent_by((rank + 1) % world, 1, 2)), from_next
+        logs = [None] * world
+        dist.all_gather_object(logs, comm.log)
+        assert replays_to_the_end(logs), "posted one by one, the four transfers wait on each other"
+    log(f"batched and ordered, fixed and exchanged shapes: each stage got its neighbours' tensors")
+    log(f"sum <S x, y> = sum <x, S^T y> = {dots[0].item():.0f} (S = send_forward, S^T = send_backward)"
+        + ("; all four at once round the ring: every link pairs up" if world % 2 == 0 else ""))
 
 
 def schedules_checked(rank, world):
@@ -594,8 +619,8 @@ def schedules_checked(rank, world):
         assert place_on_ticks(traces, v)[1] == total[fn], (fn, v, p, m)
         if fn is schedule_1f1b:                      # 1F1B with each B also doing W's work: 2 ticks
             assert place_on_ticks(traces, 1, {"F": 1, "B": 2})[1] == 3 * (m + p - 1), (p, m)
-    log(f"{len(by_hand)} hand-worked orders match; {len(configs)} schedules (p <= 8, m <= 12; interleaved v = 2, 3): "
-        f"in micro-batch order, held counts as stated, ticks = the closed forms")
+    log(f"{len(by_hand)} hand-worked orders match; {len(configs)} schedules, p <= 8, m <= 12, interleaved v = 2, 3:")
+    log("in micro-batch order, B after F, W after B; held and ticks equal the closed forms")
 
 
 def split_backward(device):
@@ -614,8 +639,8 @@ def split_backward(device):
     backward_weight(saved)
     got = [x_grad] + [q.grad for q in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(got, want)), "B then W differs from the ordinary backward"
-    log(f"B: the input's grad and each Linear's output grad, no weight grad written; then W: "
-        f"{len(want) - 1} weight grads; together exactly the ordinary backward")
+    log(f"B: the input's grad and each Linear's output grad, no weight grad; W: {len(want) - 1} weight grads from "
+        f"them; exactly the ordinary backward")
 
 
 def equal_one_process(full, device, world):
@@ -629,12 +654,13 @@ def equal_one_process(full, device, world):
             a = len(rows) * ROWS * HIDDEN * 8        # m*A: one activation per micro-batch
             held = "" if fn is train_step_1f1b else (f"; held F..B {[r['peak']['B'] for r in stages]}" + (
                 f", F..W {[r['peak']['W'] for r in stages]}" if fn is schedule_zb_h1 else ""))
-            log(f"{NAME[fn]:11} m = {len(rows)}: loss {stages[-1]['loss']:.6f}, {2 * len(full)} grads match; "
+            log(f"{NAME[fn]:11} loss {stages[-1]['loss']:.6f}, {2 * len(full)} grads match; "
                 f"sent {[r['sent'] // a for r in stages]} x m*A{held}")
     for i in (0, 1):                                 # batched, ordered: the loop and the runner post the same calls
         assert [r["log"] for r in runs[i]] == [r["log"] for r in runs[2 + i]], "run_schedule != the 1F1B loop"
-    log(f"the 1F1B loop and run_schedule(schedule_1f1b) post the same calls; every run's calls replay to the end; "
-        f"A = {ROWS}x{HIDDEN}x8 bytes")
+    log(f"m = {M} (interleaved {m_int}), A = {ROWS}x{HIDDEN}x8 bytes; the 1F1B loop and run_schedule(schedule_1f1b) "
+        f"post the same calls;")
+    log("each run's posted ops replay to the end, op by op (the interleaved ring: with its sends left in flight)")
 
 
 def timelines(full, device, world):
@@ -649,7 +675,7 @@ def timelines(full, device, world):
         grid, ticks = place_on_ticks([r["trace"] for r in stages], v if fn is schedule_interleaved_1f1b else 1)
         assert ticks == closed[fn][0], (NAME[fn], ticks)
         if world <= 4:
-            log(f"{NAME[fn]}" + (" (upper case: chunk 0, lower case: chunk 1)" if fn is schedule_interleaved_1f1b else ""))
+            log(NAME[fn] + (" (upper case: chunk 0, lower case: chunk 1)" if fn is schedule_interleaved_1f1b else ""))
             for s, row in enumerate(grid):
                 log(f"stage {s} |" + "".join(f"{label(*row[t]) if t in row else '.':>3}" for t in range(ticks)))
     one_f_one_b = place_on_ticks([r["trace"] for r in runs[0]], 1, {"F": 1, "B": 2})[1]
@@ -662,14 +688,15 @@ def timelines(full, device, world):
 
 
 def any_m(full, device, world):
-    sweep = [(fn, i % 2 == 0, [1 + 3 * k % 5 for k in range(m)])       # rows 1, 4, 2, 5, 3, 1, ...
-             for i, m in enumerate(sorted({1, (world + 1) // 2, world + 1})) for fn in (schedule_1f1b, schedule_zb_h1)]
-    sweep.append((schedule_interleaved_1f1b, False, [1 + 3 * k % 5 for k in range(2 * world)]))
+    rows = lambda m: [1 + 3 * k % 5 for k in range(m)]                       # 1, 4, 2, 5, 3, 1, ...
+    ms = sorted({1, (world + 1) // 2, world + 1})
+    sweep = [(fn, i % 2 == 0, rows(m)) for i, m in enumerate(ms) for fn in (schedule_1f1b, schedule_zb_h1)]
+    sweep.append((schedule_interleaved_1f1b, False, rows(2 * world)))
     runs = check_pipeline(full, device, sweep, variable=True)
-    for (fn, batched, rows), stages in zip(sweep, runs):
-        if fn is not schedule_1f1b:
-            log(f"m = {len(rows):2}, rows {rows[:6]}{'...' if len(rows) > 6 else ''}: 1F1B{' and ZB-H1' if fn is schedule_zb_h1 else ', interleaved'} "
-                f"({'batched' if batched else 'ordered'}): loss and grads match, calls replay; held {[r['peak']['B'] for r in stages]}")
+    log(f"1F1B and ZB-H1 at m = {ms}, interleaved at m = {2 * world}, rows 1, 4, 2, 5, 3, ...: losses and grads "
+        f"match, calls replay;")
+    log(f"held F..B at m = {ms[-1]} {[r['peak']['B'] for r in runs[-3]]} (1F1B), {[r['peak']['B'] for r in runs[-1]]}"
+        f" chunks (interleaved)")
 
 
 def two_stage_trick(full, device, world):
@@ -688,8 +715,8 @@ def two_stage_trick(full, device, world):
         for s, r in enumerate(stages):               # sends from the odd stage, receives on the even one: group 1
             groups = [g for call in r["log"] for kind, _, _, g in call]
             assert groups == [int((kind == "send") == (s == 1)) for call in r["log"] for kind, *_ in call], groups
-        log(f"{NAME[fn]} on ranks {pair}: every odd->even transfer on the second group, even->odd on the first; "
-            f"loss {stages[-1]['loss']:.6f}, grads match")
+        log(f"{NAME[fn]:11} on ranks {pair}: loss {stages[-1]['loss']:.6f}, grads match; every odd->even transfer "
+            f"on the second group")
 
 
 class Strided(nn.Module):
@@ -732,8 +759,8 @@ def pipelines_on_subgroups(device, rank, world):
             assert q.grad is None if id(q) not in own else torch.allclose(q.grad, ref[id(q)], rtol=1e-9, atol=0)
         assert {c[1] for c in t.calls} <= {tuple(ranks)}, t.calls   # on this pipeline's group, nowhere else
         assert t.counts["send"] == (2 - (s == 0) - (s == p - 1)) * M * (p > 1), t.counts
-    log(f"pipelines {members} at once, each on its own group: token ids in (never sent), cross-entropy out; "
-        f"the 1F1B loop, run_schedule 1F1B and ZB-H1 equal one process")
+    log(f"pipelines on {members} at once: token ids in (never sent), cross-entropy out, non-contiguous activations;")
+    log("the 1F1B loop, run_schedule with 1F1B and with ZB-H1: loss and grads equal each pipeline in one process")
 
 
 def main():
