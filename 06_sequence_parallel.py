@@ -42,8 +42,8 @@ Partial results merge by their log-sum-exp (online softmax, fp32 inside): o = o1
 l = log(e^l1 + e^l2). Backward recomputes each block's probabilities from the saved l: dq stays on its rank,
 dk and dv travel the ring with K and V and arrive, after one more hop, at their owner.
 Bytes each rank sends, with its K and V slices of b*(s/P)*h*d*bytes each: forward (P-1) * 2 slices; backward the
-same again plus P * 2 slices of dk, dv (in fp32 for bf16; none at P = 1). Each step computes ~(s/P)^2 pairs and moves ~s/P
-rows: a long enough local sequence hides the ring behind the compute.
+same again plus P * 2 slices of dk, dv (in fp32 for bf16; none at P = 1). Each step computes ~(s/P)^2 pairs and
+moves ~s/P rows: a long enough local sequence hides the ring behind the compute.
 All-gather CP (Llama 3) all-gathers the whole sequence's K and V instead, then attends its zig-zag queries:
 with grouped-query attention (8 K/V heads against 128 query heads) that all-gather is small next to the
 attention compute, it allows any mask (documents packed in one sequence), and it is one collective, not P-1
