@@ -527,6 +527,8 @@ def train_and_compare(cls, optim, group, ranks, device, base):
             want = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             torch.testing.assert_close(norm, want, rtol=1e-12, atol=0)
             assert want > clip and tc.calls == ([] if cls is DDP else [("all_reduce", tuple(ranks), 8)]), tc.calls
+            torch.testing.assert_close(model.clip_grad_norm_(1e6),  # below the bound: the gradients stay as they are
+                                       torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e6), rtol=1e-12, atol=0)
         opt.step()
         with traffic() as ts:
             model.step()
@@ -628,6 +630,7 @@ def check_memory(rank, W, device, base):
             forward_backward(model, next(iter(MODES)), *rank_batch(step, rank, device))
             model.step()
         got[cls] = held(model)
+        model.full_parameters()  # ZeRO-2: waits for the step's gathers (no collective left in flight)
     sizes = [b.numel * 8 for b in model.buckets]
     V, two = sum(sizes), max(a + b for a, b in zip(sizes, sizes[1:]))
     assert got[DDP] == (V, V, 2 * V), got[DDP]
