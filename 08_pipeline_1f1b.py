@@ -230,7 +230,9 @@ class P2PCommunicator:
 
 # the split backward: B (the input gradient, which the previous stage waits for), then W (the weight gradients) --
 def forward_keeping(model, x):
-    """F for a schedule with W: model(x), keeping each parametrised module's output, which W differentiates."""
+    """F for a schedule with W: model(x), keeping each parametrised module's output, which W differentiates.
+    W then covers each parameter's use inside its own module's forward (a weight used elsewhere too, e.g. an
+    embedding tied to an LM head through F.linear, needs the ordinary backward: a schedule without W)."""
     kept = []
     hooks = [mod.register_forward_hook(lambda mod, args, out: kept.append((mod, out)))
              for mod in model.modules() if next(mod.parameters(recurse=False), None) is not None]
