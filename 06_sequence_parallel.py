@@ -838,7 +838,8 @@ def ring_overlap(device):
 def main():
     W = launched_world_size()
     if 24 % W:
-        refuse(f"world size {W} does not divide {NH} heads, sequence {S} // 2, ffn {FFN}: use 1, 2, 3, 4, 6 or 8")
+        refuse(f"world size {W} does not divide {NH} heads, ffn {FFN} and the sequence's {S // 2} chunk pairs: "
+               "use 1, 2, 3, 4, 6 or 8")
     rank, world, device = setup()
     sub = [dist.new_group(list(range(p, world, 2))) for p in range(min(2, world))][rank % 2]  # my parity's ranks
     groups = (None, sub)
