@@ -172,9 +172,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         eps, world, rank = label_smoothing, dist.get_world_size(group), dist.get_rank(group)
         per_rank = logits.size(-1)
         z = logits.to(torch.promote_types(logits.dtype, torch.float32))    # fp32 inside; never written to
-        valid = target != ignore_index
+        valid = target != ignore_index                                     # the others: loss 0 and grad 0, below
         held, local_target = _target_columns(target, per_rank, rank)
-        held &= valid                                                      # an ignore_index inside [0, V)
         owner = target.masked_fill(~valid, 0).div(per_rank, rounding_mode="floor")  # the rank holding the target
         # this rank's 3 numbers per token, each relative to its own max m_i (no exp overflows)
         m = z.amax(dim=-1)                                                 # (...,)
