@@ -212,8 +212,8 @@ def members_of(group):
 
 
 def strided(t):
-    """t's values as a non-contiguous view (every other element of a buffer twice the size)."""
-    return torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+    """t's values as a non-contiguous view: stored transposed (2-d and up), or every other element (1-d)."""
+    return t.mT.contiguous().mT if t.dim() > 1 else torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
 
 
 def reference_moe(X, router, experts, k, capacity, n_per_rank):
