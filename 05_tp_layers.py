@@ -271,12 +271,15 @@ class RowParallelLinear(_ParallelLinear):
         return y if self.bias is None else y + self.bias
 
 
-def allreduce_sequence_parallel_grads(module: nn.Module, group=None):
-    """After backward, sum over the group the grads of `module`'s parameters marked `sequence_parallel`: they
-    are whole on every rank but saw only this rank's part of the sequence (the row bias; LayerNorm's in 06)."""
-    for param in module.parameters():
-        if getattr(param, "sequence_parallel", False) and param.grad is not None:
-            param.grad.copy_(_reduce(param.grad, group))
+def allreduce_sequence_parallel_grads(params, group=None):
+    """After backward, sum over the group the grads of the parameters marked `sequence_parallel`: they are whole
+    on every rank but saw only this rank's part of the sequence (the row bias; LayerNorm's in 06). As in 06: the
+    gradient is `p.main_grad` where a data-parallel wrapper accumulates it there, else `p.grad`."""
+    for param in params:
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        if getattr(param, "sequence_parallel", False) and grad is not None:
+            grad.copy_(_reduce(grad, group))
 
 
 def parallel_mlp(mlp: nn.Sequential, group=None, sequence_parallel=False) -> nn.Sequential:
@@ -460,7 +463,7 @@ def check_against_dense(dense_fn, parallel, x, dy, group, dense_grads, x_dim=Non
     with traffic() as t:
         y_p = parallel(x_p)
         y_p.backward(cut(dy, y_dim))
-    allreduce_sequence_parallel_grads(parallel, group)
+    allreduce_sequence_parallel_grads(parallel.parameters(), group)
     y = dense_fn(x)
     y.backward(dy)
     torch.testing.assert_close(y_p, cut(y, y_dim))

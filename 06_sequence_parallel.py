@@ -291,8 +291,11 @@ def mlp_block(x, p, sequence_parallel: bool, group=None):
 
 def allreduce_sequence_parallel_grads(params, group=None):
     """Sum in one all-reduce the grads of parameters marked `sequence_parallel` (LN weight and bias, fc2's bias):
-    under SP each rank applied them to its own slice of the sequence (NVIDIA/Megatron-LM#443)."""
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    under SP each rank applied them to its own slice of the sequence (NVIDIA/Megatron-LM#443). A gradient is read
+    from `p.main_grad` where a data-parallel wrapper accumulates it there (Megatron's, and 09's), else `p.grad`."""
+    grads = [g for p in params if getattr(p, "sequence_parallel", False)
+             for g in [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad]
+             if g is not None]
     if not grads:
         return
     flat = _reduce(torch.cat([g.flatten() for g in grads]), group)

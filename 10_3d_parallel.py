@@ -57,7 +57,6 @@ import contextlib
 import copy
 import importlib
 from fractions import Fraction
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -195,10 +194,7 @@ def finalize_grads(stage: GPTStage, grid: Grid):
     gradients SP applied to a slice of the sequence (06), and the tied weight's two halves over the embedding
     group (first + last stage; nothing to do with one stage, where embedding and head are one Parameter).
     The gradients are where ZeRO-2 adds them up: p.main_grad."""
-    # 06 reads p.grad; ZeRO-2 keeps p.grad None and the sum in p.main_grad: hand 06 stand-ins holding main_grad
-    marked = [SimpleNamespace(grad=p.main_grad, sequence_parallel=True) for p in stage.parameters()
-              if getattr(p, "sequence_parallel", False)]
-    seq_par.allreduce_sequence_parallel_grads(marked, group=grid.tp)
+    seq_par.allreduce_sequence_parallel_grads(stage.parameters(), group=grid.tp)  # reads p.main_grad
     if grid.pp_size > 1 and stage.tied_weight() is not None:
         dist.all_reduce(stage.tied_weight().main_grad, group=grid.embedding)  # a view of a flat bucket: contiguous
 

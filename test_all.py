@@ -142,6 +142,8 @@ def _zygote():
     import torch.distributed  # noqa: F401
     import torch.nn.functional  # noqa: F401
     import torch.testing  # noqa: F401
+    import sympy  # noqa: F401  (autograd.grad with grad_outputs imports it on torch 2.13)
+    import torch._dynamo  # noqa: F401  (the first torch.optim optimizer imports it)
     for line in sys.stdin:
         req = json.loads(line)
         t0 = time.monotonic()
