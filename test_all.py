@@ -549,9 +549,9 @@ def test_nccl(script):
 @pytest.mark.stress
 @pytest.mark.parametrize("script", LESSONS)
 def test_exits_never_abort(script, request):
-    """The lesson at 1, 2, 3, 4 and 8 ranks, STRESS_ROUNDS times (default 4: 20 launches a lesson, 220 for eleven
+    """The lesson at 1, 2, 3, 4 and 8 ranks, STRESS_ROUNDS times (default 4: 20 launches a lesson, 200 for the ten
     lessons), each rank a real process that leaves through interpreter shutdown. A failure that hits 2 % of
-    launches escapes 220 of them with a chance of about 1 %."""
+    launches escapes 200 of them with a chance of about 2 %."""
     if "stress" not in (request.config.option.markexpr or ""):
         pytest.skip("run it with -m stress")
     failed, runs = [], 0
