@@ -1,6 +1,6 @@
 """Runs every numbered lesson the ways people run it, and fails loudly (every rank's output) when one breaks.
 
-    pytest test_all.py                 everything (about 95 s on 2 cores)
+    pytest test_all.py                 everything (about a minute on 2 cores)
     pytest test_all.py -m "not slow"   the edit loop: everything but the real torchrun launches
     pytest test_all.py -k 05_          one lesson
     pytest test_all.py -m gpu          every lesson under torchrun with NCCL, one process per GPU (skipped without)
