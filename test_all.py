@@ -135,9 +135,13 @@ def _rank(req: dict, rank: int):
         code = 1
     if req["real_exit"]:
         raise SystemExit(code)  # leaves through the zygote's main: a real interpreter shutdown follows
+    if code is None or not isinstance(code, int):  # as SystemExit means them: None is 0, a message prints and is 1
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else 1)  # skips interpreter shutdown (0.4 s a rank)
+    os._exit(code)  # skips interpreter shutdown (0.4 s a rank)
 
 
 def _zygote():
