@@ -252,3 +252,105 @@ def traffic():
             return func(*args, **(kwargs or {}))
 
     return Traffic()
+
+
+# ---- memory: the bytes this rank really holds ----------------------------------------------------------------
+def held_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one storage count once; a storage resized to 0,
+    as ZeRO-3 frees a parameter, counts 0): what parameters, gradients or optimizer state really occupy."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            seen[s.data_ptr() if s.nbytes() else id(t)] = s.nbytes()
+    return sum(seen.values())
+
+
+def memory(device=None):
+    """A context manager that follows every tensor storage this rank allocates inside it, for as long as it lives.
+
+        with memory() as m:
+            loss = stage(x).sum()          # activations saved for backward, messages in flight, gradients ...
+            kept = m.live()                # bytes allocated inside the block and still held right now
+            loss.backward()
+        m.peak                             # the most held at once (checked whenever an op allocates or grows one)
+        m.reset()                          # the next peak starts from what is held now
+
+    It sees each op as it is dispatched (also inside autograd's backward and the c10d ops), notes the storage of
+    every output, and keeps a weak reference: a storage is counted while something still holds it (saved for
+    backward, a send's buffer kept until its wait, a gradient) and stops counting when the last holder lets it go,
+    or when it is resized to 0 bytes. So it measures what the code keeps, on any device, exactly in bytes.
+    Storages allocated before the block (parameters, inputs) are not counted: `held_bytes()` counts those.
+    On CUDA `m.device_peak` also gives the allocator's own peak over the block (torch.cuda.max_memory_allocated,
+    rounded to its blocks and counting temporaries); on the CPU it is None, as torch keeps no CPU statistics.
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Memory(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls):
+            return False
+
+        def __init__(self):
+            super().__init__()
+            self.storages = {}  # cdata -> (weak ref, bytes when last seen)
+            self.peak, self.device_peak = 0, None
+            self._device = torch.device(device) if device is not None else None
+
+        def live(self) -> int:
+            total = 0
+            for key, (ref, _) in list(self.storages.items()):
+                s = None if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(key)
+                if s is None:
+                    del self.storages[key]
+                else:
+                    total += s.nbytes()
+            return total
+
+        def reset(self):
+            self.peak = self.live()
+
+        def _note(self, out, skip=()):
+            grew = False
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    s = t.untyped_storage()
+                    if s.data_ptr() in skip and s.data_ptr():  # an input's storage: not allocated here
+                        continue
+                    ref = StorageWeakRef(s)
+                    old = self.storages.get(ref.cdata)
+                    if old is None or old[1] != s.nbytes() or old[0].expired():
+                        self.storages[ref.cdata] = (ref, s.nbytes())
+                        grew = True
+            return grew
+
+        def track(self, tensors):
+            """Count these storages too, from now on (one allocated before the block that will grow in it)."""
+            if self._note(list(tensors)):
+                self.peak = max(self.peak, self.live())
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.device.type != "meta"}  # views, in-place, c10d ops
+            if self._note(out, skip=inputs):
+                self.peak = max(self.peak, self.live())
+            return out
+
+        def __enter__(self):
+            if self._device is not None and self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+                self._cuda_start = torch.cuda.memory_allocated(self._device)
+                torch.cuda.reset_peak_memory_stats(self._device)
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            out = super().__exit__(*exc)
+            if self._device is not None and self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+                self.device_peak = torch.cuda.max_memory_allocated(self._device) - self._cuda_start
+            return out
+
+    return Memory()
