@@ -347,13 +347,28 @@ PASTED = {
 }
 
 
+PASTE_HEADER = "import torch\nimport torch.distributed as dist\nimport torch.nn as nn\nimport torch.nn.functional as F\n"
+
+
+def building_blocks(path: Path) -> str:
+    """The text a reader pastes: from the first `# ---- building blocks` line to the `# ---- demo` line."""
+    lines = path.read_text().splitlines(keepends=True)
+    start = next(i for i, l in enumerate(lines) if l.startswith("# ---- building blocks"))
+    end = next(i for i, l in enumerate(lines) if l.startswith("# ---- demo"))
+    assert start < end, script
+    return "".join(lines[start:end])
+
+
 @pytest.mark.parametrize("script", sorted(PASTED), ids=lambda s: "lesson" + s[:2])
 def test_block_pasted_alone(script, tmp_path):
-    """The blocks need only torch: the file imports with common.py unimportable, and a block runs at 2 ranks
-    inside a process group the user made (as in their own training script)."""
+    """The blocks need only torch: the text between the markers, pasted literally under the four torch imports
+    (nothing else of the lesson comes along, and common.py cannot be imported), runs at 2 ranks inside a process
+    group the user made, as in their own training script."""
+    pasted = tmp_path / "pasted.py"
+    pasted.write_text(PASTE_HEADER + building_blocks(HERE / script))
     probe = _script(tmp_path, textwrap.dedent(f"""
         import importlib.util, os, torch, torch.distributed as dist
-        spec = importlib.util.spec_from_file_location("lesson", {str(HERE / script)!r})
+        spec = importlib.util.spec_from_file_location("pasted", {str(pasted)!r})
         m = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(m)
         dist.init_process_group("gloo")
@@ -364,6 +379,19 @@ def test_block_pasted_alone(script, tmp_path):
         print("[R0] all checks passed: the block ran alone" if rank == 0 else "", end="")
     """))
     check_passed(launch(probe, 2, without_common=True, real_exit=False))
+
+
+def test_a_paste_needs_every_import_it_uses(tmp_path):
+    """The paste check itself can fail: a block using a module imported above the marker raises NameError."""
+    lesson = tmp_path / "99_probe.py"
+    lesson.write_text("import contextlib\n# ---- building blocks\ndef quiet():\n    return contextlib.nullcontext()\n"
+                      "# ---- demo\n")
+    pasted = tmp_path / "pasted.py"
+    pasted.write_text(PASTE_HEADER + building_blocks(lesson))
+    namespace = {}
+    exec(compile(pasted.read_text(), str(pasted), "exec"), namespace)
+    with pytest.raises(NameError, match="contextlib"):
+        namespace["quiet"]()
 
 
 def test_every_lesson_has_a_pasted_block_check():
