@@ -10,6 +10,9 @@ Every demo starts with `rank, world, device = setup()` and ends with `finish("wh
                             so the same file runs on every node of `torchrun --nnodes=N`
                    timeout: PG_TIMEOUT seconds (default 30), so a deadlock raises instead of hanging
                    seed:    the same on every rank, so every rank can build the same reference inputs
+                   trace:   TRACE=DIR profiles the run (torch.profiler) and writes DIR/<lesson>.json: every
+                            rank one process row, each head() section a labelled range; open it in
+                            ui.perfetto.dev or chrome://tracing (README: "Looking at a run")
     refuse(why)    for a world size or option the lesson cannot use, decided alike on every rank: each rank
                    prints one line, all wait for each other (so none is killed before it spoke), exit code 2
     wait_all()     a barrier that, on gloo, names the ranks that never arrived (monitored_barrier)
@@ -35,6 +38,7 @@ import torch.distributed as dist
 
 EXIT_REFUSED = 2
 _timeout = datetime.timedelta(seconds=30)  # setup() sets it from PG_TIMEOUT
+_trace = None  # TRACE=DIR: {"dir", "prof", "section"} while the profiler runs
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -103,11 +107,14 @@ def setup(seed: int = 0):
                f"NCCL needs one CUDA device per process, and this machine has 0 CUDA devices; use BACKEND=gloo")
     global _timeout
     _timeout = timeout = datetime.timedelta(seconds=_seconds("PG_TIMEOUT", 30))
+    trace_dir = _trace_dir()
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     torch.manual_seed(seed)
+    if trace_dir:
+        _trace_start(trace_dir, device)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -127,6 +134,7 @@ def teardown():
     checks passed. Rank 0 may host the rendezvous store, and a rank destroying its group while the store's
     host is gone can hang (torch 2.6), so rank 0 waits for the others' word before it leaves.
     """
+    _trace_write()
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     wait_all()
@@ -138,6 +146,7 @@ def teardown():
 
 def finish(summary: str):
     """Rank 0 prints the lesson's final line (the tests look for it); then tear down."""
+    _trace_write()
     log(f"all checks passed: {summary}")
     teardown()
 
@@ -149,9 +158,14 @@ def log(msg: str = ""):
 
 
 def head(title: str):
-    """Rank 0 prints a section heading."""
+    """Rank 0 prints a section heading; under TRACE every rank's trace gets a range named `title` until the next."""
     if dist.get_rank() == 0:
         print(f"\n== {title}", flush=True)
+    if _trace is not None:
+        if _trace["section"] is not None:
+            _trace["section"].__exit__(None, None, None)
+        _trace["section"] = torch.profiler.record_function(title)
+        _trace["section"].__enter__()
 
 
 def log_all(msg: str, group=None):
@@ -196,6 +210,88 @@ def time_overlap(start_comm, compute, device, iters: int = 5) -> dict:
     return {"comm": timed(lambda: start_comm().wait()),
             "compute": timed(compute),
             "overlapped": timed(lambda: overlap(start_comm, compute))}
+
+
+# ---- TRACE=DIR: one Perfetto / chrome://tracing file of the whole run ----------------------------------------
+def _trace_dir():
+    """TRACE's directory (made if missing), or None; a path that cannot hold the trace is refused in one line."""
+    raw = os.environ.get("TRACE", "").strip()
+    if not raw:
+        return None
+    try:
+        os.makedirs(raw, exist_ok=True)
+        if not os.access(raw, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        refuse(f"TRACE={raw!r}: {e.strerror.lower()}; give a directory the trace can be written to")
+    return raw
+
+
+def _trace_start(trace_dir, device):
+    global _trace
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # kineto logs profiler_start/stop to stderr below level 6;
+    from torch.profiler import ProfilerActivity, profile  # it reads the level when it first starts
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _trace = {"dir": trace_dir, "prof": profile(activities=activities), "section": None}
+    _trace["prof"].start()
+
+
+def _trace_write():
+    """Stop the profiler; rank 0 gathers every rank's events and writes them as one file, a process row each.
+
+    torch.profiler writes one Chrome trace per process, its rows named by OS pid and its times counted from its
+    own base. What it lacks is done here: each rank's events get pid = rank (its CPU threads, gloo's threads and
+    its GPU streams become that row's lanes), times move onto the earliest rank's base, and flow-arrow ids
+    (which only say which op launched which) are made unique per rank.
+    """
+    global _trace
+    if _trace is None:
+        return
+    import json
+    import tempfile
+
+    t, _trace = _trace, None
+    if t["section"] is not None:
+        t["section"].__exit__(None, None, None)
+    t["prof"].stop()
+    with tempfile.TemporaryDirectory() as tmp:
+        t["prof"].export_chrome_trace(os.path.join(tmp, "rank.json"))
+        with open(os.path.join(tmp, "rank.json")) as f:
+            mine = json.load(f)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine["rank"], mine["pid"] = rank, os.getpid()
+    ranks = [None] * world if rank == 0 else None
+    dist.gather_object(mine, ranks, dst=0)
+    if rank != 0:
+        return
+    base = min(r["baseTimeNanoseconds"] for r in ranks)
+    events = []
+    for r in ranks:
+        shift = (r["baseTimeNanoseconds"] - base) / 1000  # microseconds, the unit of "ts"
+        events += [{"ph": "M", "pid": r["rank"], "name": "process_name", "args": {"name": f"rank {r['rank']}"}},
+                   {"ph": "M", "pid": r["rank"], "name": "process_sort_index", "args": {"sort_index": r["rank"]}}]
+        threads = {}  # tid -> its last name (kineto may name a reused thread id twice)
+        for e in r["traceEvents"]:
+            if not isinstance(e.get("pid"), int) or e.get("name") in ("process_name", "process_labels",
+                                                                         "process_sort_index"):
+                continue  # the profiler's own span row, and its names for the OS process
+            if e.get("name") == "thread_name" and e.get("ph") == "M":
+                threads[e["tid"]] = e["args"]["name"]
+                continue
+            e = dict(e, pid=r["rank"])
+            if "ts" in e:
+                e["ts"] = e["ts"] + shift
+            if e.get("ph") in ("s", "t", "f") and "id" in e:
+                e["id"] = (r["rank"] << 32) + int(e["id"])
+            events.append(e)
+        events += [{"ph": "M", "pid": r["rank"], "tid": tid, "name": "thread_name",
+                    "args": {"name": "main thread" if tid == r["pid"] else name}} for tid, name in threads.items()]
+    path = os.path.join(t["dir"], os.path.splitext(_script())[0] + ".json")
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "baseTimeNanoseconds": base,
+                   "distributedInfo": ranks[0].get("distributedInfo")}, f)
+    log(f"trace of {world} rank(s), {len(events)} events: {path} (open it in ui.perfetto.dev)")
 
 
 # ---- traffic: what this rank hands to c10d ------------------------------------------------------------------

@@ -601,5 +601,75 @@ def test_exits_never_abort(script, request):
     assert not failed, f"{len(failed)} of {runs} launches failed:\n" + "\n".join(failed)
 
 
+
+# ---- traces, common.py ------------------------------------------------------------------------------------------
+def traced(script, tmp_path, world=2):
+    """Run `script` with TRACE=tmp_path: it passes, prints nothing on stderr (the profiler's own log lines
+    included), and leaves one file with a process row per rank and a range per section. -> (events, stdout)"""
+    run_ = launch(script, world, extra_env={"TRACE": str(tmp_path)}, real_exit=False)
+    check_passed(run_)
+    assert not "".join(run_.errs).strip(), "stderr is not empty\n" + run_.report()
+    files = list(tmp_path.glob("*.json"))
+    assert [f.name for f in files] == [Path(script).stem + ".json"], files
+    events = json.loads(files[0].read_text())["traceEvents"]
+    rows = {(e["pid"], e["args"]["name"]) for e in events if e.get("name") == "process_name"}
+    assert rows == {(r, f"rank {r}") for r in range(world)}, rows
+    titles = [ln[3:] for ln in run_.outs[0].splitlines() if ln.startswith("== ")]
+    assert titles, run_.report()
+    for r in range(world):
+        ranges = [e["name"] for e in sorted(events, key=lambda e: e.get("ts", 0))
+                  if e["pid"] == r and e.get("cat") == "user_annotation" and e["name"] in titles]
+        assert ranges == titles, (r, ranges, titles)
+    return events, run_.outs[0]
+
+
+def spans(events, rank, pattern, thread=None):
+    """The complete events ("X") of `rank` whose name matches `pattern`, in time order, on the lanes (threads)
+    whose name contains `thread` (default: any)."""
+    tids = {e["tid"] for e in events if e.get("name") == "thread_name" and e["pid"] == rank
+            and (thread or "") in e["args"]["name"]}
+    return sorted((e for e in events if e["pid"] == rank and e.get("ph") == "X" and e["tid"] in tids
+                   and re.fullmatch(pattern, e["name"])), key=lambda e: e["ts"])
+
+
+def test_trace_of_08_shows_every_op_of_each_schedule_in_order(tmp_path, script="08_pipeline_1f1b.py"):
+    """In the timelines section, each stage's F/B/W ranges ("F mb{i} c{chunk}") are its schedules' ops, in
+    order, and the messages between stages are there (gloo's send and recv)."""
+    import importlib.util
+    events, _ = traced(script, tmp_path)
+    spec = importlib.util.spec_from_file_location("pipeline", HERE / script)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    fns = (m.schedule_1f1b, m.schedule_interleaved_1f1b, m.schedule_zb_h1)  # what timelines() runs, m = 4
+    for stage in (0, 1):
+        [section] = spans(events, stage, r"timelines.*", "main thread")
+        ops = [e["name"] for e in spans(events, stage, r"[FBW] mb\d+ c\d+", "main thread")
+               if section["ts"] <= e["ts"] <= section["ts"] + section["dur"]]
+        want = [f"{o[0]} mb{o[1]} c{o[2] if len(o) > 2 else 0}" for fn in fns for o in m.schedule(fn, m.V)(2, stage, 4)]
+        assert ops == want, (stage, ops, want)
+        assert spans(events, stage, r"gloo:send") and spans(events, stage, r"gloo:recv"), stage
+
+
+def test_trace_of_09_shows_all_reduces_under_backward(tmp_path):
+    """A bucket's all-reduce, started from a gradient hook, runs on gloo's thread ("gloo:all_reduce" spans its
+    real duration; "c10d::allreduce_" on the main thread is only its launch) while the main thread goes on with
+    backward: a backward op starts after the all-reduce began and before it ended, on the same rank."""
+    events, _ = traced("09_ddp_zero2.py", tmp_path)
+    for rank in (0, 1):
+        reduces = spans(events, rank, r"gloo:all_reduce", "pt_gloo_runloop")
+        backward = spans(events, rank, r"\w+Backward0", "main thread")
+        assert reduces and backward, rank
+        under = [(a["ts"], b["name"]) for a in reduces for b in backward if a["ts"] <= b["ts"] < a["ts"] + a["dur"]]
+        assert under, f"rank {rank}: no backward op ran while an all-reduce was in flight"
+
+
+@pytest.mark.parametrize("where", ["file", "file/sub"])
+def test_bad_trace_directory_is_one_line_on_every_rank(tmp_path, where):
+    (tmp_path / "file").write_text("")
+    run_ = launch(LESSONS[0], 2, extra_env={"TRACE": str(tmp_path / where)}, real_exit=False)
+    assert run_.codes == [2, 2] and run_.seconds < 10, run_.report()
+    assert all(len(e.strip().splitlines()) == 1 and "TRACE=" in e for e in run_.errs), run_.report()
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
     _zygote()
