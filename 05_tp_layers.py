@@ -51,15 +51,19 @@ import torch.nn.functional as F
 # torch 2.13 renamed these two collectives (the old names warn there); older torch has only the old names
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-SEQ_DIM = 1  # activations are [b, s, h]: sequence parallelism splits dim 1
 
 
-# private helpers (Megatron's mappings.py); each returns its input unchanged when the group has one rank
+# private helpers (Megatron's mappings.py, the same text as 06's), each a no-op on a group of one rank
 def _divide(what: str, value: int, group) -> int:
     size = dist.get_world_size(group)
     if value % size:
-        raise ValueError(f"{what}={value} is not divisible by the tensor-parallel size {size}")
+        raise ValueError(f"{what}={value} is not divisible by the group size {size}")
     return value // size
+
+
+def _wait(works):
+    for work in works:
+        work.wait()
 
 
 def _reduce(x, group):
@@ -72,41 +76,41 @@ def _reduce(x, group):
 
 
 def _split_along_dim(x, dim, group):
-    """This rank's slice of x along `dim`; no communication."""
-    size = dist.get_world_size(group)
-    if size == 1:
-        return x
+    """This rank's contiguous slice of x along `dim`; no communication."""
     _divide(f"x.shape[{dim}]", x.shape[dim], group)
-    return x.chunk(size, dim)[dist.get_rank(group)].contiguous()
+    return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
 
 
-def _gather_along_dim(x, dim, group):
-    """Every rank's x, joined along `dim` in group-rank order."""
+def _gather_along_dim(x, dim, group, async_op=False):
+    """Every rank's x, concatenated along `dim` in rank order. async_op: (out, works), out valid after the wait."""
     size = dist.get_world_size(group)
     if size == 1:
-        return x
-    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    all_gather_single(out, x.contiguous(), group=group)  # [p * d0, ...]: rank r's x is block r along dim 0
-    return torch.cat(out.chunk(size), dim)               # the blocks joined along `dim` (one copy, contiguous)
+        return (x, []) if async_op else x
+    front = x.movedim(dim, 0).contiguous()                     # along dim 0 each rank's block is contiguous
+    out = front.new_empty((size * front.shape[0], *front.shape[1:]))
+    work = all_gather_single(out, front, group=group, async_op=async_op)
+    out = out.movedim(0, dim)
+    return (out, [work]) if async_op else out
 
 
-def _reduce_scatter_along_dim(x, dim, group):
-    """This rank's slice along `dim` of the sum of x over the group."""
+def _reduce_scatter_along_dim(x, dim, group, async_op=False):
+    """Chunk r along `dim` of the sum over the group, on rank r. async_op: (out, works)."""
     size = dist.get_world_size(group)
     if size == 1:
-        return x
+        return (x, []) if async_op else x
     _divide(f"x.shape[{dim}]", x.shape[dim], group)
-    blocks = torch.cat(x.chunk(size, dim))              # slice r along `dim` -> block r along dim 0 (contiguous)
-    out = x.new_empty((blocks.shape[0] // size, *blocks.shape[1:]))
-    reduce_scatter_single(out, blocks, op=dist.ReduceOp.SUM, group=group)
-    return out
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    work = reduce_scatter_single(out, front, group=group, async_op=async_op)
+    out = out.movedim(0, dim)
+    return (out, [work]) if async_op else out
 
 
-# one autograd Function per operator, each pairing a forward collective with its transpose
+# regions: one autograd.Function per operator, each pairing a forward collective with its transpose
 class _CopyToModelParallelRegion(torch.autograd.Function):
     """forward: identity; backward: all-reduce (the f operator)."""
     @staticmethod
-    def forward(ctx, x, group=None):
+    def forward(ctx, x, group):
         ctx.group = group
         return x
 
@@ -116,9 +120,9 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
-    """forward: all-reduce; backward: identity (the g operator, conjugate of f)."""
+    """forward: all-reduce; backward: identity (the g operator, f's conjugate)."""
     @staticmethod
-    def forward(ctx, x, group=None):
+    def forward(ctx, x, group):
         return _reduce(x, group)
 
     @staticmethod
@@ -126,22 +130,46 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToModelParallelRegion(torch.autograd.Function):
-    """forward: split the last dim, keep this rank's slice; backward: all-gather along the last dim."""
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """forward: keep this rank's slice along dim (no comm); backward: all-gather along dim."""
     @staticmethod
-    def forward(ctx, x, group=None):
-        ctx.group = group
-        return _split_along_dim(x, -1, group)
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split_along_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_along_dim(grad, -1, ctx.group), None
+        return _gather_along_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """forward: all-gather along dim; backward: reduce-scatter along dim."""
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_along_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """forward: reduce-scatter along dim; backward: all-gather along dim."""
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_along_dim(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromModelParallelRegion(torch.autograd.Function):
-    """forward: all-gather along the last dim; backward: split the last dim, keep this rank's slice."""
+    """forward: all-gather along the last dim; backward: keep this rank's slice of the last dim (no comm)."""
     @staticmethod
-    def forward(ctx, x, group=None):
+    def forward(ctx, x, group):
         ctx.group = group
         return _gather_along_dim(x, -1, group)
 
@@ -150,37 +178,79 @@ class _GatherFromModelParallelRegion(torch.autograd.Function):
         return _split_along_dim(grad, -1, ctx.group), None
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """forward: all-gather along the sequence (dim 1); backward: reduce-scatter along it (as in 06)."""
+# Megatron's public names. The sequence-parallel regions cut dim 0, the sequence of Megatron's [s, b, h]; a
+# batch-first [b, s, h] caller passes dim=1. f and g act on the whole tensor.
+def copy_to_tensor_model_parallel_region(x, group=None):
+    return _CopyToModelParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x, group=None):
+    return _ReduceFromModelParallelRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group=None, *, dim=0):
+    return _ScatterToSequenceParallelRegion.apply(x, dim, group)
+
+
+def gather_from_sequence_parallel_region(x, group=None, *, dim=0):
+    return _GatherFromSequenceParallelRegion.apply(x, dim, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group=None, *, dim=0):
+    return _ReduceScatterToSequenceParallelRegion.apply(x, dim, group)
+
+
+def scatter_to_tensor_model_parallel_region(x, group=None):
+    """This rank's slice of the last dim; backward: all-gather it (the sequence scatter's operator, on features)."""
+    return _ScatterToSequenceParallelRegion.apply(x, -1, group)
+
+
+def gather_from_tensor_model_parallel_region(x, group=None):
+    return _GatherFromModelParallelRegion.apply(x, group)
+
+
+# Megatron SP's linear layer (the same text as 06's): ColumnParallelLinear(sequence_parallel=True) runs it
+class LinearWithSequenceParallel(torch.autograd.Function):
+    """forward: all-gather x along the sequence (dim 0), then x @ W.T + b; backward: grad_x = grad @ W,
+    reduce-scattered async while dW is computed (Megatron's LinearWithGradAccumulationAndAsyncCommunication).
+
+        x: [s/tp, b, h] this rank's slice     W: [f/tp, h] this rank's rows     out: [s, b, f/tp]
+    Only the [s/tp, b, h] slice is kept for backward, which all-gathers it again (overlapping grad @ W).
+    gradient_accumulation_fusion=False: dW arrives in W.grad, as for nn.Linear. True (Megatron's fusion): dW is
+    added straight into W.main_grad (fp32, or W's dtype if wider) and W.grad stays None; the layer creates
+    main_grad on first use. A data-parallel wrapper that owns W.main_grad (a view of its bucket) sets
+    W.grad_added_to_main_grad = False: the layer then sets it True and returns a placeholder dW, so autograd still
+    fires W's post-accumulate-grad hook, where the wrapper drops W.grad instead of adding it (Megatron's handshake).
+    """
     @staticmethod
-    def forward(ctx, x, group=None):
-        ctx.group = group
-        return _gather_along_dim(x, SEQ_DIM, group)
+    def forward(ctx, x, weight, bias=None, group=None, gradient_accumulation_fusion=True):
+        # the Parameter itself rides on ctx: main_grad and the flag live on it, and a saved tensor can come back
+        # as another Python object (saved-tensor hooks)
+        ctx.group, ctx.param, ctx.fusion, ctx.has_bias = group, weight, gradient_accumulation_fusion, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather_along_dim(x, 0, group), weight, bias)              # [s, b, h] @ [h, f/tp]
 
     @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_along_dim(grad, SEQ_DIM, ctx.group), None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """forward: reduce-scatter along the sequence (dim 1); backward: all-gather along it (as in 06)."""
-    @staticmethod
-    def forward(ctx, x, group=None):
-        ctx.group = group
-        return _reduce_scatter_along_dim(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_along_dim(grad, SEQ_DIM, ctx.group), None
-
-
-# Megatron's public names, each called as name(x, group=None)
-copy_to_tensor_model_parallel_region = _CopyToModelParallelRegion.apply
-reduce_from_tensor_model_parallel_region = _ReduceFromModelParallelRegion.apply
-scatter_to_tensor_model_parallel_region = _ScatterToModelParallelRegion.apply
-gather_from_tensor_model_parallel_region = _GatherFromModelParallelRegion.apply
-gather_from_sequence_parallel_region = _GatherFromSequenceParallelRegion.apply
-reduce_scatter_to_sequence_parallel_region = _ReduceScatterToSequenceParallelRegion.apply
+    def backward(ctx, grad):                                                       # grad: [s, b, f/tp]
+        x, weight = ctx.saved_tensors
+        total, gathering = _gather_along_dim(x, 0, ctx.group, async_op=True)       # [s, b, h], in flight
+        grad_input = grad.matmul(weight)                                           # [s, b, h], partial over ranks
+        _wait(gathering)
+        grad_x, scattering = _reduce_scatter_along_dim(grad_input, 0, ctx.group, async_op=True)  # [s/tp, b, h]
+        grad, total = grad.flatten(0, -2), total.flatten(0, -2)  # [s*b, f/tp], [s*b, h]; while the reduce-scatter
+        param, grad_weight = ctx.param, None                     # travels: dW = grad.T @ total  [f/tp, h]
+        if not ctx.fusion:
+            grad_weight = grad.t().matmul(total)
+        else:
+            if getattr(param, "main_grad", None) is None:
+                param.main_grad = torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
+            param.main_grad.addmm_(grad.t().to(param.main_grad.dtype), total.to(param.main_grad.dtype))
+            if hasattr(param, "grad_added_to_main_grad"):   # a data-parallel wrapper waits for W's grad hook
+                param.grad_added_to_main_grad = True
+                grad_weight = torch.empty_like(param)       # the placeholder it drops
+        grad_bias = grad.sum(0) if ctx.has_bias else None
+        _wait(scattering)
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 # layers
@@ -221,23 +291,24 @@ class ColumnParallelLinear(_ParallelLinear):
     """Y = X A + b with A = [A_0 | A_1 | ..] split by columns (output features): rank r makes Y_r = X A_r + b_r.
 
         X [.., in] (every rank) --f--> Y_r [.., out/p] --(gather_output: all-gather)--> Y [.., out]
-        sequence_parallel:  X_r [b, s/p, in] --all-gather along s--> X [b, s, in] --> Y_r [b, s, out/p]
+        sequence_parallel:  X_r [s/p, b, in] --all-gather along s--> X [s, b, in] --> Y_r [s, b, out/p]
     nn.Linear stores A^T as weight [out, in]: rank r keeps rows r of the weight, and b_r. With sequence_parallel
-    autograd keeps the gathered X for backward (06's LinearWithSequenceParallel keeps X_r and gathers it again).
+    it runs LinearWithSequenceParallel: backward keeps only X_r and all-gathers it again; every rank's X_r must
+    have one shape. gradient_accumulation_fusion (SP only): dW goes to weight.main_grad, not weight.grad.
     """
     weight_dim = 0
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False, group=None,
-                 device=None, dtype=None, sequence_parallel=False):
+                 device=None, dtype=None, sequence_parallel=False, gradient_accumulation_fusion=False):
         super().__init__(in_features, out_features, bias, group, device, dtype, sequence_parallel)
-        self.gather_output = gather_output
+        self.gather_output, self.gradient_accumulation_fusion = gather_output, gradient_accumulation_fusion
 
-    def forward(self, x):                       # x: [.., in] the same on every rank, or with SP [b, s/p, in]
+    def forward(self, x):                       # x: [.., in] the same on every rank, or with SP [s/p, b, in]
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
+            y = LinearWithSequenceParallel.apply(x, self.weight, self.bias, self.group,
+                                                 self.gradient_accumulation_fusion)
         else:
-            x = copy_to_tensor_model_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(copy_to_tensor_model_parallel_region(x, self.group), self.weight, self.bias)
         return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -245,7 +316,7 @@ class RowParallelLinear(_ParallelLinear):
     """Y = X A + b with A = [A_0; A_1; ..] split by rows (input features): rank r makes a partial sum X_r A_r.
 
         X_r [.., in/p] --> X_r A_r [.., out] --g--> sum_r X_r A_r + b = Y [.., out] (every rank)
-        sequence_parallel:  X_r A_r [b, s, out] --reduce-scatter along s--> Y_r [b, s/p, out], + b
+        sequence_parallel:  X_r A_r [s, b, out] --reduce-scatter along s--> Y_r [s/p, b, out], + b
     nn.Linear stores A^T as weight [out, in]: rank r keeps columns r of the weight. The bias is whole on
     every rank and added once, after the reduction (added before it, it would count p times). With
     sequence_parallel each rank adds it to its part of the sequence only, so its gradient is a partial sum:
@@ -272,20 +343,23 @@ class RowParallelLinear(_ParallelLinear):
 
 
 def allreduce_sequence_parallel_grads(params, group=None):
-    """After backward, sum over the group the grads of the parameters marked `sequence_parallel`: they are whole
-    on every rank but saw only this rank's part of the sequence (the row bias; LayerNorm's in 06). As in 06: the
-    gradient is `p.main_grad` where a data-parallel wrapper accumulates it there, else `p.grad`."""
-    for param in params:
-        grad = getattr(param, "main_grad", None)
-        grad = param.grad if grad is None else grad
-        if getattr(param, "sequence_parallel", False) and grad is not None:
-            grad.copy_(_reduce(grad, group))
+    """Sum in one all-reduce the grads of parameters marked `sequence_parallel` (LN weight and bias, fc2's bias):
+    under SP each rank applied them to its own slice of the sequence (NVIDIA/Megatron-LM#443). A gradient is read
+    from `p.main_grad` where a data-parallel wrapper accumulates it there (Megatron's, and 09's), else `p.grad`."""
+    grads = [g for p in params if getattr(p, "sequence_parallel", False)
+             for g in [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad]
+             if g is not None]
+    if not grads:
+        return
+    flat = _reduce(torch.cat([g.flatten() for g in grads]), group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def parallel_mlp(mlp: nn.Sequential, group=None, sequence_parallel=False) -> nn.Sequential:
     """The parallel MLP holding this rank's shards of mlp = Sequential(Linear, activation, Linear):
     fc1 column-parallel (its output stays split), the activation on this rank's columns, fc2 row-parallel.
-        x [b, s, h] --fc1--> [b, s, ffn/p] --act--> [b, s, ffn/p] --fc2--> [b, s, h]   (SP: x, out [b, s/p, h])"""
+        x [s, b, h] --fc1--> [s, b, ffn/p] --act--> [s, b, ffn/p] --fc2--> [s, b, h]   (SP: x, out [s/p, b, h])"""
     fc1, act, fc2 = mlp
     options = dict(group=group, sequence_parallel=sequence_parallel)
     return nn.Sequential(ColumnParallelLinear.from_dense(fc1, **options), act,
@@ -301,8 +375,9 @@ def head_major(t, heads):
 class ParallelSelfAttention(nn.Module):
     """Causal self-attention with the heads split: rank r holds heads [r H/p, (r+1) H/p).
 
-        x --f--> QKV_r (column) --> attention on own heads --> O_r [b, s, h/p] --> proj (row) --g--> y
-        sequence_parallel: x and y are [b, s/p, h]; QKV all-gathers the sequence, proj reduce-scatters it
+        x --f--> QKV_r (column) --> attention on own heads --> O_r [s, b, h/p] --> proj (row) --g--> y
+        sequence_parallel: x and y are [s/p, b, h]; QKV all-gathers the sequence, proj reduce-scatters it
+    x is sequence-first [s, b, h] (Megatron's), whichever batch_first the dense module had: the weights are alike.
     """
     def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, local_heads: int):
         super().__init__()
@@ -310,10 +385,9 @@ class ParallelSelfAttention(nn.Module):
 
     @classmethod
     def from_dense(cls, mha: nn.MultiheadAttention, group=None, sequence_parallel=False):
-        if not mha.batch_first or mha.in_proj_weight is None or mha.bias_k is not None or mha.add_zero_attn \
-                or mha.dropout:
-            raise ValueError("from_dense takes nn.MultiheadAttention(batch_first=True), without kdim, vdim, "
-                             f"add_bias_kv, add_zero_attn or dropout (dropout={mha.dropout})")
+        if mha.in_proj_weight is None or mha.bias_k is not None or mha.add_zero_attn or mha.dropout:
+            raise ValueError("from_dense takes nn.MultiheadAttention without kdim, vdim, add_bias_kv, "
+                             f"add_zero_attn or dropout (dropout={mha.dropout})")
         local_heads = _divide("num_heads", mha.num_heads, group)
         w = mha.in_proj_weight
         qkv = nn.Linear(w.shape[1], w.shape[0], bias=mha.in_proj_bias is not None, device=w.device, dtype=w.dtype)
@@ -325,12 +399,12 @@ class ParallelSelfAttention(nn.Module):
         return cls(ColumnParallelLinear.from_dense(qkv, **options),
                    RowParallelLinear.from_dense(mha.out_proj, **options), local_heads)
 
-    def forward(self, x):                                   # x: [b, s, h] on every rank (SP: [b, s/p, h])
-        qkv = self.qkv(x)                                   # [b, s, 3 h/p]: the whole sequence, own heads
-        b, s, _ = qkv.shape
-        q, k, v = qkv.unflatten(-1, (self.local_heads, 3, -1)).permute(3, 0, 2, 1, 4)   # [b, H/p, s, d]
+    def forward(self, x):                                   # x: [s, b, h] on every rank (SP: [s/p, b, h])
+        qkv = self.qkv(x)                                   # [s, b, 3 h/p]: the whole sequence, own heads
+        s, b, _ = qkv.shape
+        q, k, v = qkv.unflatten(-1, (self.local_heads, 3, -1)).permute(3, 1, 2, 0, 4)   # [b, H/p, s, d]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)                       # [b, H/p, s, d]
-        return self.proj(o.transpose(1, 2).reshape(b, s, -1))                             # [b, s, h]
+        return self.proj(o.permute(2, 0, 1, 3).reshape(s, b, -1))                         # [s, b, h]
 
 
 def tp_dp_groups(tp: int):
@@ -351,6 +425,7 @@ except ImportError:  # the blocks above, imported alone where common.py is absen
     pass
 
 HIDDEN, HEADS, FFN, BATCH, SEQ = 32, 8, 64, 2, 8  # every size divides by p in {1, 2, 4, 8}
+SEQ_DIM = 0  # activations are Megatron's [s, b, h]: sequence parallelism splits dim 0
 F64 = torch.float64
 BF16_TOL = 2 ** -6  # rtol and atol in bf16: 2 units in the last place at 1 (bf16 keeps 8 significant bits)
 
@@ -411,10 +486,10 @@ def check_op(op, group, x, dy, want_y, want_dx, replicated, comms):
 
 def mappings(groups, device):
     world, rank = dist.get_world_size(), dist.get_rank()
-    X = [ints(s, BATCH, SEQ, HIDDEN, device=device) for s in range(world)]         # rank s's own input
+    X = [ints(s, SEQ, BATCH, HIDDEN, device=device) for s in range(world)]         # rank s's own input
     # rank s's own output grad, contiguous: the caller's tensor, which f's backward must not all-reduce in place
-    DY = [ints(100 + s, BATCH, SEQ, HIDDEN, device=device).contiguous() for s in range(world)]
-    A, B = ints(1000, BATCH, SEQ, HIDDEN, device=device), ints(1001, BATCH, SEQ, HIDDEN, device=device)  # alike
+    DY = [ints(100 + s, SEQ, BATCH, HIDDEN, device=device).contiguous() for s in range(world)]
+    A, B = ints(1000, SEQ, BATCH, HIDDEN, device=device), ints(1001, SEQ, BATCH, HIDDEN, device=device)  # alike
     x, dy = X[rank], DY[rank]
     for group in groups:
         ranks = members(group)
@@ -482,7 +557,7 @@ def check_layers(groups, device, cases):
     nn.Linear, checked against it on the world and on the strided groups."""
     torch.manual_seed(1)
     dense = nn.Linear(HIDDEN, FFN, device=device, dtype=F64)
-    x, dy = ints(2, BATCH, SEQ, HIDDEN, device=device), ints(3, BATCH, SEQ, FFN, device=device)
+    x, dy = ints(2, SEQ, BATCH, HIDDEN, device=device), ints(3, SEQ, BATCH, FFN, device=device)
     for group in groups:
         for cls, options, x_dim, y_dim, comms in cases:
             dense.zero_grad()
@@ -512,13 +587,13 @@ def refusals(group):
     world = dist.get_world_size(group)
     for make, name in ((lambda: ColumnParallelLinear(HIDDEN, world + 1), f"out_features={world + 1}"),
                        (lambda: RowParallelLinear(world + 1, HIDDEN), f"in_features={world + 1}"),
-                       (lambda: reduce_scatter_to_sequence_parallel_region(torch.zeros(1, world + 1, 1)),
+                       (lambda: reduce_scatter_to_sequence_parallel_region(torch.zeros(world + 1, 1, 1)),
                         f"x.shape[{SEQ_DIM}]={world + 1}")):
         try:
             make()
             assert world == 1, f"{name} was accepted"  # on one rank every size divides
         except ValueError as e:
-            assert str(e) == f"{name} is not divisible by the tensor-parallel size {world}", e
+            assert str(e) == f"{name} is not divisible by the group size {world}", e
             log(f"refused: ValueError('{e}')")
 
 
@@ -527,7 +602,7 @@ def dense_blocks(seed, device, dtype=F64):
     dense weight grad, dense bias grad)]), and their parallel versions as make(module, group, sp)."""
     torch.manual_seed(seed)
     mlp = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN)).to(device, dtype)
-    mha = nn.MultiheadAttention(HIDDEN, HEADS, batch_first=True, device=device, dtype=dtype)
+    mha = nn.MultiheadAttention(HIDDEN, HEADS, device=device, dtype=dtype)          # [s, b, h] in and out
     causal = nn.Transformer.generate_square_subsequent_mask(SEQ, device=device, dtype=dtype)
     mlp_grads = lambda par: [(par[i], mlp[i].weight.grad, mlp[i].bias.grad) for i in (0, 2)]  # fc1, fc2
     attn_grads = lambda par: [(par.qkv, head_major(mha.in_proj_weight.grad, HEADS),
@@ -541,22 +616,26 @@ def dense_blocks(seed, device, dtype=F64):
 def mlp_and_attention(groups, device, sp=False):
     """Each block == dense on the world and on the strided groups, its collectives counted: one all-reduce each
     way (SP: an all-gather and a reduce-scatter each way), the same bytes on the wire: 2 (p-1)/p V each way."""
-    x, dy = ints(4, BATCH, SEQ, HIDDEN, device=device), ints(5, BATCH, SEQ, HIDDEN, device=device)
+    x, dy = ints(4, SEQ, BATCH, HIDDEN, device=device), ints(5, SEQ, BATCH, HIDDEN, device=device)
     V = x.numel() * x.element_size()
     seq_dim = SEQ_DIM if sp else None
-    comms = ["all_gather", "reduce_scatter"] * 2 if sp else ["all_reduce"] * 2
+    # SP: forward all-gather, reduce-scatter; backward all-gather (row), all-gather again and reduce-scatter (column)
+    comms = ["all_gather", "reduce_scatter", "all_gather", "all_gather", "reduce_scatter"] if sp else ["all_reduce"] * 2
     for name, (dense, dense_fn, grads, make) in dense_blocks(2, device).items():
         for group in groups:
             p = dist.get_world_size(group)
             dense.zero_grad()
             par = make(dense, group, sequence_parallel=sp)
             t = check_against_dense(dense_fn, par, x, dy, group, lambda: grads(par), seq_dim, seq_dim)
-            assert names(t) == (comms if p > 1 else []) and wire(t, p) == 4 * (p - 1) * V / p, (name, t.calls)
+            assert names(t) == (comms if p > 1 else []) and wire(t, p) == (4 + sp) * (p - 1) * V / p, (name, t.calls)
             if group is not None:
                 continue
-            kind = "all-gather + reduce-scatter" if sp else "one all-reduce"
-            log(f"{name}: output, input grad, every grad shard == dense; {kind} each way: {wire(t, p) / 2:g} "
-                f"bytes on the wire = 2 ({p}-1)/{p} * {V}")
+            if sp:
+                log(f"{name}: == dense; all-gather + reduce-scatter forward, and backward one all-gather more: "
+                    f"{wire(t, p):g} bytes on the wire = (2 + 3) ({p}-1)/{p} * {V}")
+            else:
+                log(f"{name}: output, input grad, every grad shard == dense; one all-reduce each way: "
+                    f"{wire(t, p) / 2:g} bytes on the wire = 2 ({p}-1)/{p} * {V}")
             per_rank, whole = (sum(q.nbytes for q in m.parameters()) for m in (par, dense))
             bias = HIDDEN * F64.itemsize  # the row layer's bias: the one parameter kept whole, not split
             assert p * per_rank == whole + (p - 1) * bias, (per_rank, whole, bias)
@@ -567,14 +646,15 @@ def mlp_and_attention(groups, device, sp=False):
 
 def sequence_parallel(groups, device):
     check_layers(groups, device, (
-        (ColumnParallelLinear, {"sequence_parallel": True}, SEQ_DIM, -1, ["all_gather", "reduce_scatter"]),
+        (ColumnParallelLinear, {"sequence_parallel": True}, SEQ_DIM, -1, ["all_gather", "all_gather", "reduce_scatter"]),
         (RowParallelLinear, {"sequence_parallel": True}, -1, SEQ_DIM, ["reduce_scatter", "all_gather"]),
         (ColumnParallelLinear, {"sequence_parallel": True, "gather_output": True}, SEQ_DIM, None,
-         ["all_gather", "all_gather", "reduce_scatter"]),
+         ["all_gather", "all_gather", "all_gather", "reduce_scatter"]),
         (RowParallelLinear, {"sequence_parallel": True, "input_is_parallel": False}, None, SEQ_DIM,
          ["reduce_scatter", "all_gather", "all_gather"])))
-    log("column [b, s/p, in] -> [b, s, out/p]: all-gathers s forward, reduce-scatters the input grad; == dense")
-    log("row [b, s, in/p] -> [b, s/p, out]: reduce-scatters s forward, all-gathers backward; == dense")
+    log("column [s/p, b, in] -> [s, b, out/p]: all-gathers s forward; backward all-gathers it again (for dW) and "
+        "reduce-scatters the input grad; == dense")
+    log("row [s, b, in/p] -> [s/p, b, out]: reduce-scatters s forward, all-gathers backward; == dense")
     log("both also with gather_output=True / input_is_parallel=False; the row bias grad (this rank's part of s)")
     log("summed over the group by allreduce_sequence_parallel_grads == dense")
     mlp_and_attention(groups, device, sp=True)
@@ -582,7 +662,7 @@ def sequence_parallel(groups, device):
 
 def bfloat16(device):
     """The blocks in bf16 against the same dense modules in bf16."""
-    x, dy = (torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(s)).to(device, torch.bfloat16)
+    x, dy = (torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(s)).to(device, torch.bfloat16)
              for s in (6, 7))
     for dense, dense_fn, _, make in dense_blocks(3, device, torch.bfloat16).values():
         for sp in (False, True):
@@ -614,8 +694,8 @@ def tp_dp_grid(device):
     # each DP replica feeds its own micro-batch to an MLP split over its own TP group
     mlp, _, grads, _ = dense_blocks(4, device)["MLP"]
     p_mlp = parallel_mlp(mlp, group=tp_group)
-    xs = [ints(10 + d, BATCH, SEQ, HIDDEN, device=device) for d in range(dp)]
-    dys = [ints(20 + d, BATCH, SEQ, HIDDEN, device=device) for d in range(dp)]
+    xs = [ints(10 + d, SEQ, BATCH, HIDDEN, device=device) for d in range(dp)]
+    dys = [ints(20 + d, SEQ, BATCH, HIDDEN, device=device) for d in range(dp)]
     t = check_against_dense(mlp, p_mlp, xs[dp_rank], dys[dp_rank], tp_group, lambda: grads(p_mlp))
     assert names(t) == (["all_reduce"] * 2 if tp > 1 else []), t.calls  # g and f, on the TP group only
     for p in p_mlp.parameters():                                # DP: average each grad shard over the replicas

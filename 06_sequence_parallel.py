@@ -151,7 +151,7 @@ def _ring_exchange(x, group):
 
 # ---- building blocks: regions, one autograd.Function per operator (group=None: the world) ----------------------
 class _CopyToModelParallelRegion(torch.autograd.Function):
-    """forward: identity; backward: all-reduce (TP's f; as in 05)."""
+    """forward: identity; backward: all-reduce (the f operator)."""
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -163,7 +163,7 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
-    """forward: all-reduce; backward: identity (TP's g; as in 05)."""
+    """forward: all-reduce; backward: identity (the g operator, f's conjugate)."""
     @staticmethod
     def forward(ctx, x, group):
         return _reduce(x, group)
@@ -246,18 +246,22 @@ def reduce_scatter_to_sequence_parallel_region(x, group=None, *, dim=0):
 
 # ---- building blocks: Megatron SP's linear layer and MLP block ------------------------------------------------
 class LinearWithSequenceParallel(torch.autograd.Function):
-    """forward: all-gather x, then x @ W.T + b; backward: grad_x = grad @ W, reduce-scattered async while dW is
-    accumulated into W.main_grad (fp32, or the weight's dtype if wider; created on first use). W gets no .grad.
+    """forward: all-gather x along the sequence (dim 0), then x @ W.T + b; backward: grad_x = grad @ W,
+    reduce-scattered async while dW is computed (Megatron's LinearWithGradAccumulationAndAsyncCommunication).
 
         x: [s/tp, b, h] this rank's slice     W: [f/tp, h] this rank's rows     out: [s, b, f/tp]
     Only the [s/tp, b, h] slice is kept for backward, which all-gathers it again (overlapping grad @ W).
+    gradient_accumulation_fusion=False: dW arrives in W.grad, as for nn.Linear. True (Megatron's fusion): dW is
+    added straight into W.main_grad (fp32, or W's dtype if wider) and W.grad stays None; the layer creates
+    main_grad on first use. A data-parallel wrapper that owns W.main_grad (a view of its bucket) sets
+    W.grad_added_to_main_grad = False: the layer then sets it True and returns a placeholder dW, so autograd still
+    fires W's post-accumulate-grad hook, where the wrapper drops W.grad instead of adding it (Megatron's handshake).
     """
     @staticmethod
-    def forward(ctx, x, weight, bias=None, group=None):
-        if not hasattr(weight, "main_grad"):
-            weight.main_grad = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
-        # main_grad rides on ctx: a saved tensor can come back as another Python object (saved-tensor hooks)
-        ctx.group, ctx.main_grad, ctx.has_bias = group, weight.main_grad, bias is not None
+    def forward(ctx, x, weight, bias=None, group=None, gradient_accumulation_fusion=True):
+        # the Parameter itself rides on ctx: main_grad and the flag live on it, and a saved tensor can come back
+        # as another Python object (saved-tensor hooks)
+        ctx.group, ctx.param, ctx.fusion, ctx.has_bias = group, weight, gradient_accumulation_fusion, bias is not None
         ctx.save_for_backward(x, weight)
         return F.linear(_gather_along_dim(x, 0, group), weight, bias)              # [s, b, h] @ [h, f/tp]
 
@@ -268,11 +272,20 @@ class LinearWithSequenceParallel(torch.autograd.Function):
         grad_input = grad.matmul(weight)                                           # [s, b, h], partial over ranks
         _wait(gathering)
         grad_x, scattering = _reduce_scatter_along_dim(grad_input, 0, ctx.group, async_op=True)  # [s/tp, b, h]
-        main = ctx.main_grad                        # while the reduce-scatter travels: dW += grad.T @ total
-        main.addmm_(grad.flatten(0, -2).t().to(main.dtype), total.flatten(0, -2).to(main.dtype))
-        grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
+        grad, total = grad.flatten(0, -2), total.flatten(0, -2)  # [s*b, f/tp], [s*b, h]; while the reduce-scatter
+        param, grad_weight = ctx.param, None                     # travels: dW = grad.T @ total  [f/tp, h]
+        if not ctx.fusion:
+            grad_weight = grad.t().matmul(total)
+        else:
+            if getattr(param, "main_grad", None) is None:
+                param.main_grad = torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
+            param.main_grad.addmm_(grad.t().to(param.main_grad.dtype), total.to(param.main_grad.dtype))
+            if hasattr(param, "grad_added_to_main_grad"):   # a data-parallel wrapper waits for W's grad hook
+                param.grad_added_to_main_grad = True
+                grad_weight = torch.empty_like(param)       # the placeholder it drops
+        grad_bias = grad.sum(0) if ctx.has_bias else None
         _wait(scattering)
-        return grad_x, None, grad_bias, None
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 def mlp_block(x, p, sequence_parallel: bool, group=None):
