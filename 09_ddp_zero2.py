@@ -38,12 +38,6 @@ micro-batch reduces (ZeRO-2/3 keep only their shard in between): DDP 2M, ZeRO-2 
 
     torchrun --nproc-per-node=4 09_ddp_zero2.py          (BENCH=1: side by side with PyTorch's DDP, ZeRO, FSDP2)
 """
-import contextlib
-import copy
-import functools
-import os
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -51,49 +45,25 @@ import torch.nn.functional as F
 
 
 # ---- building blocks (torch only) ---------------------------------------------------------------------
+import contextlib
+import functools
+
 # torch 2.13 renamed these two collectives (the old names warn there); older torch has only the old names
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def adamw_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay):
-    """One AdamW update in place: decoupled weight decay, then bias-corrected first and second moments."""
-    beta1, beta2 = betas
-    param.mul_(1 - lr * weight_decay)                                    # decay the weight, not the gradient
-    exp_avg.lerp_(grad, 1 - beta1)                                       # m = b1 m + (1-b1) g
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)         # v = b2 v + (1-b2) g^2
-    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)  # sqrt(v / (1-b2^t)) + eps
-    param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** step))      # p -= lr * m/(1-b1^t) / denom
-
-
-class AdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW's arithmetic written out with adamw_ (the demo checks the two equal)."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
-            for p in (p for p in group["params"] if p.grad is not None):
-                state = self.state[p]
-                if not state:
-                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                state["step"] += 1
-                adamw_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], **hyper)
 
 
 class Bucket:
     """Parameters that communicate as one flat tensor of `numel` elements, padded so that W divides it.
 
     The parameters become views of `flat`; their gradients are summed into `grad` (dtype `main_dtype`: fp32, or
-    the parameters' own if wider) through `p.main_grad` views. Rank r owns `shard`: [r*numel/W, (r+1)*numel/W).
-    `local` is what this rank steps (all of `flat`, or its shard) and `main` its averaged gradient.
+    the parameters' own if wider), which each parameter sees as `p.main_grad`. Rank r owns `shard`:
+    [r*numel/W, (r+1)*numel/W). `local` is what this rank steps (all of `flat`, or its shard) and `main` its
+    averaged gradient. All parameters of a bucket belong to one parameter group (`group_index`).
     """
 
-    def __init__(self, index, params, world, rank):
-        self.index, self.params = index, params
+    def __init__(self, index, params, world, rank, group_index=0):
+        self.index, self.params, self.group_index = index, params, group_index
         self.used = sum(p.numel() for p in params)
         self.numel = -(-self.used // world) * world  # padded up to a multiple of W
         self.shard = slice(rank * self.numel // world, (rank + 1) * self.numel // world)
@@ -103,13 +73,61 @@ class Bucket:
         for p, offset in zip(params, self.offsets):
             self.flat[offset:offset + p.numel()].copy_(p.detach().flatten())
             p.data = self.flat[offset:offset + p.numel()].view_as(p)  # p keeps its own version counter
+            p._dp_bucket, p._dp_slice = self, slice(offset, offset + p.numel())
         self.grad = self.work = self.out = self.gather = None  # gradient buffer; its collective; RS output; AG
         self.pending, self.ready = False, set()  # local gradients not yet reduced; ids of params arrived (synced)
 
     def alloc_grad(self):
         self.grad = torch.zeros(self.numel, dtype=self.main_dtype, device=self.flat.device)
-        for p, offset in zip(self.params, self.offsets):
-            p.main_grad = self.grad[offset:offset + p.numel()].view_as(p)
+
+
+class _DataParallelParameter(nn.Parameter):
+    """What a wrapped module's parameters become (still nn.Parameters, same data): `p.main_grad` is p's view of its
+    bucket's gradient buffer (allocated on first use), and `p.grad`, once autograd's is spent, tells where the
+    gradient went: DDP returns the averaged main_grad (so torch.nn.utils.clip_grad_norm_ works), ZeRO raises."""
+
+    @property
+    def main_grad(self):
+        return self._dp_owner._main_grad(self)
+
+    @property
+    def grad(self):
+        grad = torch.Tensor.grad.__get__(self)
+        return self._dp_owner._reduced_grad(self) if grad is None and hasattr(self, "_dp_owner") else grad
+
+    @grad.setter
+    def grad(self, value):
+        torch.Tensor.grad.__set__(self, value)
+
+
+class _ShardedParameter(_DataParallelParameter):
+    """A ZeRO parameter: every torch function that reads its values first asks its wrapper (`_readable`): ZeRO-2
+    waits for the step's all-gather in flight; ZeRO-3 gathers a bucket used outside its modules (in forward) or
+    raises one line (outside forward). Shape, hooks and attributes never wait."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        reads = func not in _METADATA and (name != "__set__" and
+                                           (name != "__get__" or getattr(func.__self__, "__name__", "") == "data"))
+        gathered = []  # ZeRO-3 buckets gathered for this one use, outside the modules that own them
+        if reads:
+            for a in (*args, *kwargs.values()):
+                for t in a if isinstance(a, (list, tuple)) else (a,):
+                    if isinstance(t, _ShardedParameter) and hasattr(t, "_dp_owner"):
+                        gathered += [(t._dp_owner, b) for b in t._dp_owner._readable(t)]
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        for owner, b in gathered:
+            owner._after_outside_use(b, out)
+        return out
+
+
+_METADATA = {torch.Tensor.numel, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.element_size,
+             torch.Tensor.nelement, torch.Tensor.ndimension, torch.Tensor.__hash__, torch.Tensor.register_hook,
+             torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.requires_grad_,
+             torch.Tensor.untyped_storage, torch.Tensor.is_floating_point}  # no value is read
 
 
 def _tensors(x):
@@ -120,43 +138,60 @@ def _tensors(x):
     return [t for item in items for t in _tensors(item)]
 
 
-class DDP:
+class DDP(nn.Module):
     """Data parallelism in buckets: every rank holds everything; gradients are all-reduced bucket by bucket.
 
-        model = DDP(module, bucket_numel, group=None, optimizer_class=torch.optim.AdamW, overlap=True, lr=...)
+        model = DDP(module, bucket_numel, group=None, optimizer_class=torch.optim.AdamW, overlap=True,
+                    param_groups=None, lr=...)    # param_groups: torch's [{"params": [...], "weight_decay": 0.0}, ...]
         loss = loss_fn(model(x), y)
-        model.backward(loss)        # the same as loss.backward(): a hook per parameter adds its gradient into
-                                    # its bucket; a full bucket starts its collective while backward goes on
+        loss.backward()             # (or model.backward(loss)) a hook per parameter adds its gradient into its
+                                    # bucket; a full bucket starts its collective while backward goes on
         with model.no_sync(): ...   # a micro-batch before the last: gradients only add up here, no traffic
         model.sync_gradients()      # finish the collectives (needed only when the last backward ran under no_sync)
-        model.clip_grad_norm_(1.0)  # optional: clips by the global norm, as torch.nn.utils.clip_grad_norm_
-        model.step()                # finishes what is left, steps optimizer_class over the flat buckets, zeroes
-        model.full_parameters()     # {name: full parameter}
-    A pipeline stage (1F1B): its forwards and torch.autograd.backward(out, grad) calls, interleaved in any order,
-    all under no_sync(); then sync_gradients() and step(). A parameter used twice (tied) is one parameter here.
-    Gradients live in the buckets (p.main_grad, averaged in `main`); p.grad stays None. Every rank of the group
-    must produce gradients for the same parameters. The optimizer sees one flat tensor per bucket (its shard,
-    in ZeRO): elementwise optimizers (SGD, Adam, AdamW, ...) are exact; per-tensor ones (LAMB, Adafactor) are not.
+        model.clip_grad_norm_(1.0)  # clips by the global norm, as torch.nn.utils.clip_grad_norm_
+        model.step()                # steps optimizer_class over this rank's part of the buckets, zeroes the grads
+        model.state_dict(), model.load_state_dict(sd)   # the module's own names, full values
+        model.optimizer_state_dict(), model.load_optimizer_state_dict(sd)   # this rank's (shard of the) state
+    It is an nn.Module: parameters(), named_parameters() (the module's names, no `module.` prefix), train(),
+    eval(), zero_grad() mean what they mean in torch. A pipeline stage (1F1B): forwards and
+    torch.autograd.backward(out, grad) in any order, all under no_sync(); then sync_gradients() and step(). A tied
+    parameter is one parameter here. Every rank of the group must produce gradients for the same parameters.
+    The optimizer sees one flat tensor per bucket (its shard, in ZeRO), a bucket per parameter group at least:
+    elementwise optimizers (SGD, Adam, AdamW, ...) are exact; per-tensor ones (LAMB, Adafactor) are not.
+    Megatron's main_grad handshake: a layer that adds its weight gradient into `p.main_grad` itself sets
+    `p.grad_added_to_main_grad = True` and returns a placeholder gradient; the hook then adds nothing.
     overlap=False starts the collectives only in sync_gradients()/step(): the same arithmetic, no overlap.
     """
+    _param_class = _DataParallelParameter
 
-    def __init__(self, module, bucket_numel, group=None, optimizer_class=torch.optim.AdamW, overlap=True,
-                 **optimizer_kwargs):
+    def __init__(self, module, bucket_numel, group=None, optimizer_class=torch.optim.AdamW, overlap=True, *,
+                 param_groups=None, **optimizer_kwargs):
+        super().__init__()
         if not isinstance(bucket_numel, int) or bucket_numel < 1:
             raise ValueError(f"bucket_numel={bucket_numel!r}: give the elements per bucket, an int >= 1")
         # reversed registration order: the order backward produces gradients in most models
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         if not params:
             raise ValueError(f"{type(module).__name__} has no trainable parameters to keep in sync")
+        names = {id(p): n for n, p in module.named_parameters()}
+        for p in params:
+            if type(p) is not nn.Parameter:
+                raise ValueError(f"{names[id(p)]} is a {type(p).__name__}, not a plain nn.Parameter"
+                                 + (" (this module is wrapped already)" if hasattr(p, "_dp_owner") else ""))
+        groups = _parameter_groups(param_groups, params, names)
         self.module, self.group, self.overlap = module, group, overlap
         self.world, rank = dist.get_world_size(group), dist.get_rank(group)
-        runs = [[]]
-        for p in params:  # a new bucket once this one holds bucket_numel elements, or at a new dtype/device
-            if runs[-1] and (sum(q.numel() for q in runs[-1]) >= bucket_numel or
-                             (p.dtype, p.device) != (runs[-1][0].dtype, runs[-1][0].device)):
-                runs.append([])
-            runs[-1].append(p)
-        self.buckets = [Bucket(i, run, self.world, rank) for i, run in enumerate(runs)]
+        order, runs = {id(p): i for i, p in enumerate(params)}, []
+        for g, (_, members) in enumerate(groups):
+            runs.append((g, []))
+            for p in sorted(members, key=lambda p: order[id(p)]):  # a new bucket once this one holds
+                run = runs[-1][1]                                   # bucket_numel elements, or at a new dtype/device
+                if run and (sum(q.numel() for q in run) >= bucket_numel or
+                            (p.dtype, p.device) != (run[0].dtype, run[0].device)):
+                    runs.append((g, []))
+                runs[-1][1].append(p)
+        runs.sort(key=lambda run: order[id(run[1][-1])])  # buckets in the order backward completes them
+        self.buckets = [Bucket(i, run, self.world, rank, g) for i, (g, run) in enumerate(runs)]
         source = dist.get_global_rank(group or dist.group.WORLD, 0)
         for b in self.buckets:
             dist.broadcast(b.flat, source, group=group)  # every rank starts from group rank 0's parameters
@@ -165,13 +200,19 @@ class DDP:
             b.opt = b.local if b.local.dtype == b.main_dtype else b.local.to(b.main_dtype)
             b.opt.grad = b.main
             for p in b.params:
+                p.__class__ = self._param_class
+                p._dp_owner, p._dp_name, p.grad_added_to_main_grad = self, names[id(p)], False
                 p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, b))
-        self.optimizer = optimizer_class([b.opt for b in self.buckets], **optimizer_kwargs)
-        self.syncing, self.next = True, 0  # False inside no_sync(); the next bucket to start, in bucket order
+        self.optimizer = optimizer_class([dict(options, params=[b.opt for b in self.buckets if b.group_index == g])
+                                          for g, (options, _) in enumerate(groups)], **optimizer_kwargs)
+        self.syncing, self.next, self._forwarding = True, 0, 0  # no_sync() sets syncing; the next bucket to start
         self.state = None  # since the last step: None (no gradient), "no_sync", "sync" (started), "synced"
 
-    def __call__(self, *args, **kwargs):
+    def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)  # the module's names, unprefixed
 
     def _shard(self, b):
         """DDP: this rank steps the whole bucket, in place; its gradient buffer stays allocated."""
@@ -179,13 +220,21 @@ class DDP:
         b.local, b.main = b.flat, b.grad
 
     # -- gradients: hooks fill the buckets, a full bucket starts communicating --------------------------------
-    def _grad_ready(self, b, p):
+    def _main_grad(self, p):
+        b = p._dp_bucket
         if b.work is not None:  # a reduction from an earlier micro-batch still in flight: let it land first
             self._finish(b)
         if b.grad is None:
             b.alloc_grad()
-        p.main_grad.add_(p.grad)  # accumulate in main_dtype, across micro-batches too
-        p.grad = None             # autograd's copy is spent
+        return b.grad[p._dp_slice].view(p.shape)
+
+    def _grad_ready(self, b, p):
+        main_grad = self._main_grad(p)
+        if p.grad_added_to_main_grad:  # the layer added into main_grad itself; p.grad is a placeholder
+            p.grad_added_to_main_grad = False
+        else:
+            main_grad.add_(p.grad)  # accumulate in main_dtype, across micro-batches too
+        p.grad = None               # autograd's copy is spent
         b.pending, self.state = True, "sync" if self.syncing else "no_sync"
         if self.syncing:
             b.ready.add(id(p))
@@ -208,6 +257,13 @@ class DDP:
         b.work.wait()
         b.work = None
         b.grad.div_(self.world)
+
+    def _reduced_grad(self, p):
+        """p.grad once autograd's is spent: DDP's averaged gradient (a view of the bucket), None before any."""
+        if self.state is None:
+            return None
+        self._synchronised(f"{p._dp_name}.grad")
+        return self._main_grad(p)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -236,12 +292,24 @@ class DDP:
 
     def _synchronised(self, caller):
         if self.state is None:
-            raise RuntimeError(f"{caller}() without gradients: run model.backward(loss) (or loss.backward()) first")
+            raise RuntimeError(f"{caller} without gradients: run loss.backward() first")
         if self.state == "no_sync":
-            raise RuntimeError(f"{caller}(): the last backward ran under no_sync(), so the gradients are this "
+            raise RuntimeError(f"{caller}: the last backward ran under no_sync(), so the gradients are this "
                                f"rank's alone; call model.sync_gradients() first (or run it outside no_sync())")
         if self.state == "sync":
             self.sync_gradients()
+
+    def zero_grad(self, set_to_none=True):
+        """Drop the gradients since the last step (step() does it too); reductions in flight land first."""
+        for b in self.buckets:
+            if b.work is not None:
+                self._finish(b)
+            b.pending = False
+            b.ready.clear()
+            b.main.zero_()
+            if b.grad is not None and b.grad is not b.main:
+                b.grad = None  # ZeRO: the full-size buffer is allocated again by the next backward
+        self.state, self.next = None, 0
 
     # -- the optimizer step on what this rank owns ---------------------------------------------------------------
     def _global(self, local_sum):
@@ -249,7 +317,7 @@ class DDP:
 
     def clip_grad_norm_(self, max_norm):
         """Scale the gradients so that their global 2-norm is at most max_norm; return the norm before."""
-        self._synchronised("clip_grad_norm_")
+        self._synchronised("clip_grad_norm_()")
         total = self._global(sum(torch.linalg.vector_norm(b.main) ** 2 for b in self.buckets)).sqrt()
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
         for b in self.buckets:
@@ -259,7 +327,9 @@ class DDP:
     @torch.no_grad()
     def step(self):
         """Finish the gradients' collectives, step the optimizer on this rank's part, zero the gradients."""
-        self._synchronised("step")
+        self._synchronised("step()")
+        for b in self.buckets:
+            b.opt.grad = b.main  # again: a user's model.optimizer.zero_grad() may have set it to None
         self.optimizer.step()
         for b in self.buckets:
             if b.opt is not b.local:
@@ -271,38 +341,131 @@ class DDP:
     def _after_step(self):
         pass  # DDP: every rank has stepped every parameter
 
+    # -- reading and checkpoints ---------------------------------------------------------------------------------
+    def _readable(self, p):
+        return []  # DDP: always
+
+    def _wait(self, b):
+        if b.gather is not None:
+            b.gather.wait()
+            b.gather = None
+
     def _full_flat(self, b):
+        self._wait(b)
         return b.flat
 
     def full_parameters(self):
-        """{name: full parameter} (a tied parameter under each of its names), e.g. for checks and checkpoints."""
+        """{name: full parameter} (a tied parameter under each of its names). ZeRO-3: a collective (all ranks)."""
         flats = [self._full_flat(b) for b in self.buckets]
-        views = {id(p): flats[b.index][offset:offset + p.numel()].view(p.shape)
-                 for b in self.buckets for p, offset in zip(b.params, b.offsets)}
+        views = {id(p): flats[b.index][p._dp_slice].view(p.shape) for b in self.buckets for p in b.params}
         return {name: views[id(p)] for name, p in self.module.named_parameters(remove_duplicate=False)
                 if id(p) in views}
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every parameter readable (and writable) at its full current value inside; ZeRO-3: a collective."""
+        for b in self.buckets:
+            self._wait(b)
+        yield
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """The module's state_dict by its own names with every parameter's full current value: the same tensors
+        on every rank. It waits for ZeRO-2's gathers in flight; under ZeRO-3 it gathers the shards, a collective:
+        call it on every rank of the group. Values alias the parameters (ZeRO-3: fresh copies)."""
+        full = self.full_parameters()
+        out = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=True)
+        for key, value in out.items():
+            name = key[len(prefix):]
+            out[key] = full[name] if name in full else value if keep_vars else value.detach()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Take a full state_dict (the module's names, e.g. saved from state_dict() at any world size): every rank
+        passes the same one and keeps its part. No communication."""
+        from torch.nn.modules.module import _IncompatibleKeys
+        expected = set(self.module.state_dict(keep_vars=True))
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        params = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
+        for b in self.buckets:
+            self._wait(b)
+            held, start = self._held(b)  # what this rank keeps: the whole flat, or (ZeRO-3) its shard
+            for p in b.params:
+                value = state_dict.get(p._dp_name)
+                if value is None:
+                    continue
+                if value.shape != p.shape:
+                    raise RuntimeError(f"load_state_dict: {p._dp_name} has shape {tuple(value.shape)} in the "
+                                       f"state_dict, {tuple(p.shape)} in the model")
+                lo, hi = max(p._dp_slice.start, start), min(p._dp_slice.stop, start + held.numel())
+                if lo < hi:
+                    held[lo - start:hi - start].copy_(value.reshape(-1)[lo - p._dp_slice.start:hi - p._dp_slice.start])
+            if b.opt is not b.local:
+                b.opt.copy_(b.local)  # the master copy from the loaded values (load_optimizer_state_dict: exact)
+        self._after_load()
+        self.module.load_state_dict({k: v for k, v in state_dict.items() if k not in params}, strict=False)
+        return _IncompatibleKeys(missing, unexpected)
+
+    def _held(self, b):
+        return b.flat, 0
+
+    def _after_load(self):
+        pass
+
+    def _layout(self):
+        return dict(wrapper=type(self).__name__, world=self.world, rank=dist.get_rank(self.group),
+                    buckets=[b.numel for b in self.buckets])
+
+    def optimizer_state_dict(self):
+        """This rank's optimizer state (ZeRO: its shard) and fp32 master copies, to save per rank."""
+        return dict(layout=self._layout(), optimizer=self.optimizer.state_dict(),
+                    masters=[b.opt for b in self.buckets if b.opt is not b.local])
+
+    def load_optimizer_state_dict(self, state):
+        """Take back what optimizer_state_dict() gave on this rank: the same world size, buckets and wrapper."""
+        if state["layout"] != self._layout():
+            raise ValueError(f"optimizer state saved by {state['layout']}, loaded by {self._layout()}: each rank "
+                             f"loads the shard it saved, at the same world size and bucket_numel (resharding it "
+                             f"is not supported; the model's state_dict() loads at any world size)")
+        self.optimizer.load_state_dict(state["optimizer"])
+        for b, master in zip([b for b in self.buckets if b.opt is not b.local], state["masters"]):
+            b.opt.copy_(master)
+
+
+def _parameter_groups(param_groups, params, names):
+    """[(options, parameters)] from torch's param_groups form (None: one group); each parameter exactly once."""
+    if param_groups is None:
+        return [({}, params)]
+    trainable, where, groups = {id(p) for p in params}, {}, []
+    for i, g in enumerate(param_groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(f"param_groups[{i}]: a dict with 'params' and options, as torch.optim takes it")
+        members = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in members:
+            if id(p) not in trainable:
+                raise ValueError(f"param_groups[{i}] holds a tensor that is not a trainable parameter of the module")
+            if id(p) in where:
+                raise ValueError(f"{names[id(p)]} is in param_groups[{where[id(p)]}] and [{i}]")
+            where[id(p)] = i
+        groups.append(({k: v for k, v in g.items() if k != "params"}, members))
+    missing = [names[id(p)] for p in params if id(p) not in where]
+    if missing:
+        raise ValueError(f"{missing[0]} is in no parameter group: give every trainable parameter one")
+    return [(options, members) for options, members in groups if members]
 
 
 class ZeRO2(DDP):
     """DDP whose gradients are reduce-scattered: rank r keeps and steps only its shard of each bucket (gradient,
-    optimizer state, master weights), then all-gathers the new parameters; a module's forward waits for them."""
-
-    def __init__(self, module, bucket_numel, group=None, optimizer_class=torch.optim.AdamW, overlap=True,
-                 **optimizer_kwargs):
-        super().__init__(module, bucket_numel, group, optimizer_class, overlap, **optimizer_kwargs)
-        for m in module.modules():
-            own = {id(p) for p in m.parameters(recurse=False)}
-            buckets = [b for b in self.buckets[::-1] if own & {id(p) for p in b.params}]  # in forward order
-            if buckets:
-                self._hook_module(m, buckets)
+    optimizer state, master weights), then all-gathers the new parameters. Whatever reads a parameter (a module's
+    forward, or the user) first waits for that bucket's gather. p.grad raises: clip with model.clip_grad_norm_."""
+    _param_class = _ShardedParameter
 
     def _shard(self, b):
         """ZeRO-2: this rank steps its shard of `flat` in place; the full gradient exists only during backward."""
         b.local = b.flat[b.shard]
         b.main = torch.zeros(b.local.shape, dtype=b.main_dtype, device=b.flat.device)
-
-    def _hook_module(self, m, buckets):
-        m.register_forward_pre_hook(functools.partial(self._before_forward, buckets))
 
     def _start_reduction(self, b):
         b.out = torch.empty_like(b.main)
@@ -316,25 +479,24 @@ class ZeRO2(DDP):
         b.work.wait()
         b.main.add_(b.out.div_(self.world))  # this rank's shard of the mean gradient
         b.grad = b.work = b.out = None       # the full-size gradient is freed
-        for p in b.params:
-            p.main_grad = None
+
+    def _reduced_grad(self, p):
+        if self.state is None:
+            return None
+        raise RuntimeError(f"{p._dp_name}.grad: {type(self).__name__} keeps only this rank's 1/{self.world} shard of "
+                           f"the reduced gradients; clip with model.clip_grad_norm_(max_norm) (the global norm)")
 
     def _global(self, local_sum):
         dist.all_reduce(local_sum, group=self.group)  # each rank holds 1/W of the gradients: one all-reduce
         return local_sum
 
-    # -- parameters: gathered after the step, bucket by bucket; each module's forward waits for its own ----------
+    # -- parameters: gathered after the step, bucket by bucket; a read waits for its bucket only ------------------
     def _gather(self, b):
         b.gather = all_gather_single(b.flat, b.local, group=self.group, async_op=True)
 
-    def _wait(self, b):
-        if b.gather is not None:
-            b.gather.wait()
-            b.gather = None
-
-    def _before_forward(self, buckets, module, args):
-        for b in buckets:
-            self._wait(b)
+    def _readable(self, p):
+        self._wait(p._dp_bucket)
+        return []
 
     def _after_step(self):
         for b in self.buckets[::-1]:  # in forward order: the first bucket forward needs goes out first
@@ -343,20 +505,39 @@ class ZeRO2(DDP):
             for b in self.buckets:
                 self._wait(b)
 
-    def _full_flat(self, b):
-        self._wait(b)
-        return b.flat
-
 
 class ZeRO3(ZeRO2):
     """ZeRO-2 that stores only its shard of the parameters too: a bucket is gathered before the modules that use
-    it (prefetching the next), freed after their forward, gathered again for their backward and freed after."""
+    it (prefetching the next), freed after their forward, gathered again for their backward and freed after.
+    A parameter used in forward outside the modules that own it (a tied LM head `F.linear(h, emb.weight)`) has its
+    bucket gathered for that use and again before that use's backward. Outside forward and backward a parameter
+    holds no values: reading one raises one line (read state_dict(), full_parameters() or inside gathered())."""
+
+    def __init__(self, module, *args, **kwargs):
+        super().__init__(module, *args, **kwargs)
+        module.register_forward_pre_hook(functools.partial(self._forward_running, 1))  # model(x) or module(x)
+        module.register_forward_hook(functools.partial(self._forward_running, -1), always_call=True)
+        for m in module.modules():
+            own = {id(p) for p in m.parameters(recurse=False)}
+            buckets = [b for b in self.buckets[::-1] if own & {id(p) for p in b.params}]  # in forward order
+            if buckets:
+                m.register_forward_pre_hook(functools.partial(self._before_forward, buckets))
+                m.register_forward_hook(functools.partial(self._after_forward, buckets))
+                for b in buckets:
+                    b.users += 1
 
     def _shard(self, b):
         super()._shard(b)
         b.local = b.local.clone()  # this rank's parameters: the shard is all it keeps
-        b.users, b.ran, b.arrived = 0, 0, set()  # modules using b; of those, ran this forward; grads arrived
+        b.users, b.ran, b.active, b.arrived = 0, 0, 0, set()  # modules using b; ran this forward; running; grads
         self._free(b)
+
+    def _forward_running(self, step, *_):
+        self._forwarding += step
+
+    def _release(self, b):
+        if not b.active:  # no module using b is running, and no gathered() block is open
+            self._free(b)
 
     def _free(self, b):
         self._wait(b)
@@ -374,12 +555,6 @@ class ZeRO3(ZeRO2):
         if self.overlap and 0 <= index < len(self.buckets):
             self._gather(self.buckets[index])
 
-    def _hook_module(self, m, buckets):
-        super()._hook_module(m, buckets)
-        m.register_forward_hook(functools.partial(self._after_forward, buckets))
-        for b in buckets:
-            b.users += 1
-
     def _use(self, buckets, after):
         for b in buckets:
             self._gather(b)  # now, unless it is gathered or a prefetch is on its way
@@ -389,13 +564,16 @@ class ZeRO3(ZeRO2):
 
     def _before_forward(self, buckets, module, args):
         self._use(buckets, after=buckets[-1].index - 1)  # prefetch the next bucket in forward order
+        for b in buckets:
+            b.active += 1
 
     def _after_forward(self, buckets, module, args, out):
         for b in buckets:
+            b.active -= 1
             b.ran += 1
             if b.ran == b.users:  # every module that uses b has run its forward: free it
                 b.ran = 0
-                self._free(b)
+                self._release(b)
         for t in _tensors(out):  # backward reaches this module's computation through its outputs' gradients
             if t.requires_grad:
                 t.register_hook(functools.partial(self._before_backward, buckets))
@@ -403,12 +581,31 @@ class ZeRO3(ZeRO2):
     def _before_backward(self, buckets, grad):
         self._use(buckets, after=buckets[-1].index + 1)  # prefetch the next bucket in backward order
 
+    def _readable(self, p):
+        b = p._dp_bucket
+        if b.active or self._gathered(b) or b.gather is not None:
+            self._wait(b)  # inside a module that owns it, prefetched, or gathered()
+            return []
+        if not self._forwarding:
+            raise RuntimeError(f"{p._dp_name}: ZeRO3 keeps only this rank's 1/{self.world} shard outside forward and "
+                               f"backward; read model.state_dict() or model.full_parameters(), or inside "
+                               f"`with model.gathered():` (collectives: on every rank)")
+        self._gather(b)  # used outside its modules, in forward (every rank runs the same forward): gather now
+        self._wait(b)
+        return [b]
+
+    def _after_outside_use(self, b, out):
+        for t in _tensors(out):  # gathered again before this use's backward, freed after b's gradients
+            if t.requires_grad:
+                t.register_hook(functools.partial(self._before_backward, [b]))
+        self._release(b)
+
     def _grad_ready(self, b, p):
         super()._grad_ready(b, p)
         b.arrived.add(id(p))
         if len(b.arrived) == len(b.params):  # every parameter of b has its gradient: backward is done with b
             b.arrived.clear()
-            self._free(b)
+            self._release(b)
 
     def _after_step(self):
         for b in self.buckets:  # a bucket still gathered (a parameter without gradient) now holds old values
@@ -416,13 +613,40 @@ class ZeRO3(ZeRO2):
             b.arrived.clear()
             self._free(b)
 
+    _after_load = _after_step
+
     def _full_flat(self, b):
         full = torch.empty(b.numel, dtype=b.flat.dtype, device=b.flat.device)
         all_gather_single(full, b.local, group=self.group)
         return full
 
+    def _held(self, b):
+        return b.local, b.shard.start
+
+    @contextlib.contextmanager
+    def gathered(self):
+        for b in self.buckets:
+            self._gather(b)
+        for b in self.buckets:
+            self._wait(b)
+            b.active += 1
+        try:
+            yield
+        finally:
+            for b in self.buckets:
+                b.active -= 1
+                if not torch.equal(b.flat[b.shard], b.local):  # written inside: keep it (and its master copy)
+                    b.local.copy_(b.flat[b.shard])
+                    if b.opt is not b.local:
+                        b.opt.copy_(b.local)
+                self._free(b)
+
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+import copy
+import os
+import time
+
 try:
     from common import finish, head, log, refuse, setup, sync, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
@@ -438,6 +662,34 @@ MODES = {"1 micro-batch, model.backward(loss)": (1, 1),
          "2 forwards, then autograd.backward(out, grad) x2 under no_sync, sync_gradients(), clip_grad_norm_": (2, 1),
          "2, no no_sync: each backward reduces": (2, 2)}
 SENT = {DDP: lambda m, r: 2 * r, ZeRO2: lambda m, r: r + 1, ZeRO3: lambda m, r: 2 * m + r}  # x (W-1)/W * V
+
+
+def adamw_(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay):
+    """One AdamW update in place: decoupled weight decay, then bias-corrected first and second moments."""
+    beta1, beta2 = betas
+    param.mul_(1 - lr * weight_decay)                                    # decay the weight, not the gradient
+    exp_avg.lerp_(grad, 1 - beta1)                                       # m = b1 m + (1-b1) g
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)         # v = b2 v + (1-b2) g^2
+    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)  # sqrt(v / (1-b2^t)) + eps
+    param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** step))      # p -= lr * m/(1-b1^t) / denom
+
+
+class AdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's arithmetic written out with adamw_ (the demo checks the two equal)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+            for p in (p for p in group["params"] if p.grad is not None):
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                adamw_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], **hyper)
 
 
 class TiedLM(nn.Module):
