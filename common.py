@@ -238,12 +238,12 @@ def _trace_start(trace_dir, device):
 
 
 def _trace_write():
-    """Stop the profiler; rank 0 gathers every rank's events and writes them as one file, a process row each.
+    """Stop the profiler; every rank's events go into one file that rank 0 writes, a process row per rank.
 
-    torch.profiler writes one Chrome trace per process, its rows named by OS pid and its times counted from its
-    own base. What it lacks is done here: each rank's events get pid = rank (its CPU threads, gloo's threads and
-    its GPU streams become that row's lanes), times move onto the earliest rank's base, and flow-arrow ids
-    (which only say which op launched which) are made unique per rank.
+    torch.profiler writes one Chrome trace per process, its row named by OS pid and its times counted from its
+    own base. What it lacks is done here, by each rank on its own events: pid = rank (its CPU threads, gloo's
+    threads and its GPU streams become that row's lanes), times moved onto the earliest rank's base, flow-arrow
+    ids (which op launched which) made unique per rank; rank 0 joins the ranks' JSON texts.
     """
     global _trace
     if _trace is None:
@@ -260,38 +260,36 @@ def _trace_write():
         with open(os.path.join(tmp, "rank.json")) as f:
             mine = json.load(f)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine["rank"], mine["pid"] = rank, os.getpid()
-    ranks = [None] * world if rank == 0 else None
-    dist.gather_object(mine, ranks, dst=0)
+    bases = [None] * world
+    dist.all_gather_object(bases, mine["baseTimeNanoseconds"])
+    shift = (mine["baseTimeNanoseconds"] - min(bases)) / 1000  # microseconds, the unit of "ts"
+    events = [{"ph": "M", "pid": rank, "name": "process_name", "args": {"name": f"rank {rank}"}},
+              {"ph": "M", "pid": rank, "name": "process_sort_index", "args": {"sort_index": rank}}]
+    threads = {}  # tid -> its last name (kineto may name a reused thread id twice)
+    for e in mine["traceEvents"]:
+        if not isinstance(e.get("pid"), int) or e.get("name") in ("process_name", "process_labels",
+                                                                     "process_sort_index"):
+            continue  # the profiler's own span row, and its names for the OS process
+        if e.get("name") == "thread_name" and e.get("ph") == "M":
+            threads[e["tid"]] = e["args"]["name"]
+            continue
+        e["pid"] = rank
+        if "ts" in e:
+            e["ts"] += shift
+        if e.get("ph") in ("s", "t", "f") and "id" in e:
+            e["id"] = (rank << 32) + int(e["id"])
+        events.append(e)
+    events += [{"ph": "M", "pid": rank, "tid": tid, "name": "thread_name",
+                "args": {"name": "main thread" if tid == os.getpid() else name}} for tid, name in threads.items()]
+    texts = [None] * world if rank == 0 else None
+    dist.gather_object(json.dumps(events)[1:-1], texts, dst=0)  # each rank's events, as JSON text
     if rank != 0:
         return
-    base = min(r["baseTimeNanoseconds"] for r in ranks)
-    events = []
-    for r in ranks:
-        shift = (r["baseTimeNanoseconds"] - base) / 1000  # microseconds, the unit of "ts"
-        events += [{"ph": "M", "pid": r["rank"], "name": "process_name", "args": {"name": f"rank {r['rank']}"}},
-                   {"ph": "M", "pid": r["rank"], "name": "process_sort_index", "args": {"sort_index": r["rank"]}}]
-        threads = {}  # tid -> its last name (kineto may name a reused thread id twice)
-        for e in r["traceEvents"]:
-            if not isinstance(e.get("pid"), int) or e.get("name") in ("process_name", "process_labels",
-                                                                         "process_sort_index"):
-                continue  # the profiler's own span row, and its names for the OS process
-            if e.get("name") == "thread_name" and e.get("ph") == "M":
-                threads[e["tid"]] = e["args"]["name"]
-                continue
-            e = dict(e, pid=r["rank"])
-            if "ts" in e:
-                e["ts"] = e["ts"] + shift
-            if e.get("ph") in ("s", "t", "f") and "id" in e:
-                e["id"] = (r["rank"] << 32) + int(e["id"])
-            events.append(e)
-        events += [{"ph": "M", "pid": r["rank"], "tid": tid, "name": "thread_name",
-                    "args": {"name": "main thread" if tid == r["pid"] else name}} for tid, name in threads.items()]
     path = os.path.join(t["dir"], os.path.splitext(_script())[0] + ".json")
     with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "baseTimeNanoseconds": base,
-                   "distributedInfo": ranks[0].get("distributedInfo")}, f)
-    log(f"trace of {world} rank(s), {len(events)} events: {path} (open it in ui.perfetto.dev)")
+        f.write('{"traceEvents": [' + ",\n".join(texts) + '], "displayTimeUnit": "ms", "baseTimeNanoseconds": '
+                f'{min(bases)}, "distributedInfo": {json.dumps(mine.get("distributedInfo"))}}}')
+    log(f"trace of {world} rank(s), {sum(map(len, texts)) >> 20} MB: {path} (open it in ui.perfetto.dev)")
 
 
 # ---- traffic: what this rank hands to c10d ------------------------------------------------------------------
