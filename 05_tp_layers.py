@@ -17,23 +17,18 @@ The first linear is split by output columns (ColumnParallelLinear), the second b
 Attention is split the same way by heads: QKV column-parallel, output projection row-parallel.
 
 Sequence parallelism (sequence_parallel=True; Korthikanti et al. 2022): between blocks each rank keeps only its
-part of the sequence. g's all-reduce becomes its first half, a reduce-scatter, and f becomes the second, an
-all-gather before the next block:
+part of the sequence, in Megatron's [s, b, h] (s is dim 0). g's all-reduce becomes its first half, a
+reduce-scatter, and f the second, an all-gather before the next block (LinearWithSequenceParallel, as in 06):
 
     rank 0:  X_0 --+                      +--> X A_0 .. Z_0 B_0 --+                          +--> Y_0 (+ b)
                    all-gather along s                             reduce-scatter along s
     rank 1:  X_1 --+                      +--> X A_1 .. Z_1 B_1 --+                          +--> Y_1 (+ b)
-    (rank r holds X_r [b, s/p, h])   (every rank holds X [b, s, h])            (rank r holds Y_r [b, s/p, h])
-
-    gather_from_sequence_parallel_region           forward: all-gather s    backward: reduce-scatter s
-    reduce_scatter_to_sequence_parallel_region     forward: reduce-scatter  backward: all-gather s
-The activations here are batch-first [b, s, h] (as nn.MultiheadAttention(batch_first=True)): s is dim 1.
-06 teaches sequence parallelism in Megatron's sequence-first [s, b, h] layout, where it is dim 0.
-
+    (rank r holds X_r [s/p, b, h])   (every rank holds X [s, b, h])            (rank r holds Y_r [s/p, b, h])
+The column layer keeps only X_r for backward and all-gathers it again there: its saved input is 1/p of TP's.
 Bytes each rank sends per block, for activations of V = batch * seq * hidden * bytes: a ring all-reduce of
 2 (p-1)/p * V forward (g) and the same backward (f); 4 all-reduces per transformer layer (MLP + attention).
-With SP, an all-gather (p-1)/p * V and a reduce-scatter (p-1)/p * V each way: the same 2 (p-1)/p * V.
-scatter sends nothing; gather (all-gather) sends (p-1)/p of the gathered tensor.
+With SP, an all-gather (p-1)/p * V and a reduce-scatter (p-1)/p * V each way (the same 2 (p-1)/p * V), and in
+backward one all-gather more, (p-1)/p * V, the price of keeping X_r only. scatter sends nothing.
 Parameters: each rank holds 1/p of every weight and column bias; the row layer's bias is whole on every rank
 (with SP its gradient is a partial sum over the ranks' parts of s: allreduce_sequence_parallel_grads sums it).
 In training, TP groups are ranks on one node (the heaviest traffic), nested in a data-parallel grid:
@@ -420,7 +415,7 @@ def tp_dp_groups(tp: int):
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, launched_world_size, log, log_all, refuse, setup, traffic
+    from common import finish, head, held_bytes, launched_world_size, log, log_all, refuse, setup, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -646,7 +641,8 @@ def mlp_and_attention(groups, device, sp=False):
 
 def sequence_parallel(groups, device):
     check_layers(groups, device, (
-        (ColumnParallelLinear, {"sequence_parallel": True}, SEQ_DIM, -1, ["all_gather", "all_gather", "reduce_scatter"]),
+        (ColumnParallelLinear, {"sequence_parallel": True}, SEQ_DIM, -1,
+         ["all_gather", "all_gather", "reduce_scatter"]),
         (RowParallelLinear, {"sequence_parallel": True}, -1, SEQ_DIM, ["reduce_scatter", "all_gather"]),
         (ColumnParallelLinear, {"sequence_parallel": True, "gather_output": True}, SEQ_DIM, None,
          ["all_gather", "all_gather", "all_gather", "reduce_scatter"]),
@@ -658,6 +654,43 @@ def sequence_parallel(groups, device):
     log("both also with gather_output=True / input_is_parallel=False; the row bias grad (this rank's part of s)")
     log("summed over the group by allreduce_sequence_parallel_grads == dense")
     mlp_and_attention(groups, device, sp=True)
+
+
+def kept_for_backward(fn, params):
+    """fn()'s output and the bytes of the activations autograd saved for its backward (common.held_bytes:
+    distinct storages, parameters left out)."""
+    saved, skip = [], {q.untyped_storage().data_ptr() for q in params}
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn()
+    return out, held_bytes([t for t in saved if t.untyped_storage().data_ptr() not in skip])
+
+
+def activation_memory(device):
+    """The MLP's saved activations, TP vs SP, in bytes: only fc1's input shrinks, to 1/p (fc1 keeps its slice
+    and gathers it again in backward); fc1's and GeLU's outputs are [s, b, ffn/p] either way. (Not memory().live():
+    gloo's worker threads let go of a finished collective's buffer a moment late, so it is not exact every run.)"""
+    world = dist.get_world_size()
+    mlp = dense_blocks(2, device)["MLP"][0]
+    x, dy = ints(4, SEQ, BATCH, HIDDEN, device=device), ints(5, SEQ, BATCH, HIDDEN, device=device)
+    V, A = x.numel() * F64.itemsize, SEQ * BATCH * FFN // world * F64.itemsize   # [s, b, h], [s, b, ffn/p]
+    got = {}
+    for sp, fusion in ((False, False), (True, False), (True, True)):
+        par = parallel_mlp(mlp, sequence_parallel=sp)
+        par[0].gradient_accumulation_fusion = fusion
+        x_in = (part(x, SEQ_DIM, None) if sp else x).clone().requires_grad_()  # its own contiguous storage
+        y, got[sp] = kept_for_backward(lambda: par(x_in), par.parameters())
+        y.backward(part(dy, SEQ_DIM, None) if sp else dy)
+        if fusion:  # Megatron's gradient-accumulation fusion: dW in fp32 main_grad, weight.grad left None
+            assert par[0].weight.grad is None and par[0].weight.main_grad.dtype == F64
+            torch.testing.assert_close(par[0].weight.main_grad, par[0].shard(mlp[0].weight.grad)[0])
+        else:
+            mlp.zero_grad()
+            mlp(x).backward(dy)
+            torch.testing.assert_close(par[0].weight.grad, par[0].shard(mlp[0].weight.grad)[0])
+    assert got == {False: V + 2 * A, True: V // world + 2 * A}, got    # fc1's input, GeLU's, fc2's
+    log(f"MLP saved for backward: TP {got[False]} B = V + 2A, SP {got[True]} B = V/{world} + 2A "
+        f"(V = {V} B fc1's input [s, b, h], A = {A} B [s, b, ffn/p]); fc1 keeps [s/p, b, h], gathers it again")
+    log("gradient_accumulation_fusion=True: dW in weight.main_grad (fp32 or wider) == dense, weight.grad None")
 
 
 def bfloat16(device):
@@ -724,6 +757,8 @@ def main():
     mlp_and_attention(groups, device)
     head(f"sequence parallelism: activations split along s (dim {SEQ_DIM}) between blocks")
     sequence_parallel(groups, device)
+    head("activation memory under SP, in bytes (common.held_bytes of what autograd saves)")
+    activation_memory(device)
     head("bf16: the blocks against the same dense modules in bf16")
     bfloat16(device)
     head("TP inside a 2-D grid: TP x DP process groups from dist.new_group")
