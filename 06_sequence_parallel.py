@@ -471,7 +471,7 @@ def ring_attention(q, k, v, is_causal: bool = False, group=None):
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, launched_world_size, log, refuse, setup, time_overlap, traffic
+    from common import finish, head, held_bytes, launched_world_size, log, refuse, setup, time_overlap, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -535,16 +535,12 @@ def adjoint_checked(op, x, group=None, replicated=False):
 
 
 def kept_for_backward(fn, params):
-    """Run fn(); return its result and the bytes of activations autograd keeps for backward (params excluded)."""
-    skip, kept = {p.data_ptr() for p in params}, {}
-
-    def pack(t):
-        if t.data_ptr() not in skip:   # views of one storage count once
-            kept[t.data_ptr()] = max(t.nbytes, kept.get(t.data_ptr(), 0))
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """fn()'s output and the bytes of the activations autograd saved for its backward (common.held_bytes:
+    distinct storages, parameters left out)."""
+    saved, skip = [], {q.untyped_storage().data_ptr() for q in params}
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = fn()
-    return out, sum(kept.values())
+    return out, held_bytes([t for t in saved if t.untyped_storage().data_ptr() not in skip])
 
 
 def regions(groups, device):
@@ -651,6 +647,7 @@ def mlp_traffic(every_run):
 
 
 def linear_overlap(groups, device):
+    import os
     f64 = dict(dtype=torch.float64, device=device)
     x, w, b = torch.randn(S, B, H, **f64), torch.randn(FFN, H, **f64), torch.randn(FFN, **f64)
     g_out = torch.randn(S, B, FFN, **f64)
@@ -666,18 +663,47 @@ def linear_overlap(groups, device):
         for got, want in zip((fused[0].grad, fused[1].main_grad, fused[2].grad), (t.grad for t in plain)):
             torch.testing.assert_close(got, 2 * want)
         assert fused[1].grad is None
+        unfused = [t.detach().clone().requires_grad_() for t in plain]                       # dW in W.grad
+        (LinearWithSequenceParallel.apply(*unfused, group, False) * g_out[..., rows]).sum().backward()
+        assert not hasattr(unfused[1], "main_grad")
+        for got, want in zip((t.grad for t in unfused), (t.grad for t in plain)):
+            torch.testing.assert_close(got, want)
+        handshake(plain, g_out[..., rows], group)
     w_bf16 = w.bfloat16().requires_grad_()                                   # bf16 weights: main_grad is fp32
     LinearWithSequenceParallel.apply(x.chunk(dist.get_world_size())[dist.get_rank()].bfloat16(), w_bf16).sum() \
         .backward()
     assert w_bf16.grad is None and w_bf16.main_grad.dtype == torch.float32
     log("async reduce-scatter, dW into main_grad == gather region + autograd, 2 micro-batches, world and sub-groups")
-    log("bf16 W: main_grad is fp32, W.grad stays None")
+    log("bf16 W: main_grad is fp32, W.grad stays None; gradient_accumulation_fusion=False: dW in W.grad == autograd")
+    log("handshake with a data-parallel wrapper (a bucket's main_grad, grad_added_to_main_grad): its hook fires "
+        "once a backward, sees the flag set and drops the placeholder; main_grad == 2 micro-batches' dW")
     grad_x = torch.randn(48, 4, 64, device=device)                          # timing: grad_x [s, b, h] fp32
     g2, t2, dw = (torch.randn(*shape, device=device) for shape in ((256, 256 // 4), (256, 64), (256 // 4, 64)))
     t = time_overlap(lambda: Posted(_reduce_scatter_along_dim(grad_x, 0, None, async_op=True)[1]),
                      lambda: dw.addmm_(g2.t(), t2), device, iters=2)      # dW [f/tp, h] += grad.T @ total
+    serial, cores = t["comm"] + t["compute"], len(os.sched_getaffinity(0))
     log(f"reduce-scatter {t['comm'] * 1e3:.2f} ms + dW {t['compute'] * 1e3:.2f} ms one after the other, "
-        f"{t['overlapped'] * 1e3:.2f} ms overlapped (printed, not asserted)")
+        f"{t['overlapped'] * 1e3:.2f} ms overlapped: {serial / t['overlapped']:.2f}x (printed, not asserted)")
+    log(f"here gloo moves the bytes with CPU threads on {cores} core(s) shared by {dist.get_world_size()} ranks: "
+        "overlap saves time only where a core is idle; on GPUs with NCCL (CUDA_DEVICE_MAX_CONNECTIONS=1, as "
+        "Megatron sets, so the collective is queued before dW) the reduce-scatter travels beside the matmul")
+
+
+def handshake(inputs, g_out, group):
+    """A data-parallel wrapper's side of Megatron's handshake, as 09's is: W.main_grad a view of a flat bucket,
+    W.grad_added_to_main_grad = False, and a post-accumulate-grad hook that drops the placeholder W.grad."""
+    x, w, b = (t.detach().clone().requires_grad_() for t in inputs)
+    bucket = torch.zeros(w.numel() + 3, dtype=torch.float32, device=w.device)     # fp32, more than W alone
+    w.main_grad, w.grad_added_to_main_grad, fired = bucket[3:].view_as(w), False, []
+
+    def hook(p):
+        fired.append((p.grad_added_to_main_grad, p.grad.shape))
+        p.grad, p.grad_added_to_main_grad = None, False
+    w.register_post_accumulate_grad_hook(hook)
+    for _ in range(2):
+        (LinearWithSequenceParallel.apply(x, w, b, group) * g_out).sum().backward()
+    assert fired == [(True, w.shape)] * 2 and w.grad is None and not bucket[:3].any(), fired
+    torch.testing.assert_close(w.main_grad, 2 * inputs[1].grad.float())
 
 
 def ulysses(groups, device):
