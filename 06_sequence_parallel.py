@@ -1,31 +1,24 @@
 """06 - sequence parallelism: Megatron's (split what TP leaves whole), Ulysses (all-to-all to heads), and context
 parallelism (ring attention over zig-zag shards).
 
-Megatron SP (Korthikanti et al., 2022). Tensor parallelism runs LayerNorm, dropout and the residual on the whole
-[s, b, h] activation on every rank. SP splits them along the sequence and cuts TP's all-reduce into its halves:
+Megatron SP (Korthikanti et al., 2022). TP runs LayerNorm, dropout and the residual on the whole [s, b, h] on every
+rank; SP splits them along s (dim 0, Megatron's [s, b, h]) and cuts TP's all-reduce into its halves:
 
     TP:  x[s, b, h]     LN  f (identity)  fc1 GeLU fc2  g (all-reduce)   + x     every rank holds all of s
     SP:  x[s/tp, b, h]  LN  all-gather    fc1 GeLU fc2  reduce-scatter   + x     rank i holds s_i only
          R0 [s0]  --all-gather-->  R0 [s0 s1 s2 s3] ... R0 [s0 s1 s2 s3] partial  --reduce-scatter-->  R0 [s0]
          R1 [s1]                   R1 [s0 s1 s2 s3] ... R1 [s0 s1 s2 s3] partial                      R1 [s1]
+Bytes each rank sends, V = s*b*h*bytes: 2(tp-1)/tp*V forward, TP's all-reduce exactly, and (tp-1)/tp*V more in
+backward: fc1 (LinearWithSequenceParallel) keeps only its [s/tp, b, h] input and all-gathers it again. So LN's
+input and output (fc1's input) are kept at 1/tp; but LN's weight and bias and fc2's bias see one slice of s per
+rank: their gradients need one all-reduce over TP (NVIDIA/Megatron-LM#443). fc1's backward reduce-scatters grad_x
+async while dW goes into an fp32 `main_grad` (Megatron's gradient-accumulation fusion and DP handshake).
 
-Bytes each rank sends, V = s*b*h*bytes: all-gather (tp-1)/tp*V + reduce-scatter (tp-1)/tp*V = 2(tp-1)/tp*V, TP's
-ring all-reduce exactly. SP buys activation memory: LayerNorm's input and output are kept at 1/tp (fc1 keeps its
-[s/tp, b, h] input and all-gathers it again in backward, one more (tp-1)/tp*V, for that memory). The price: LN's
-weight and bias and fc2's bias see a different slice of the sequence on each rank, so their gradients need one
-all-reduce over the TP group (NVIDIA/Megatron-LM#443). The regions split dim 0 (Megatron's sequence-first
-[s, b, h]); a batch-first [b, s, h] caller passes dim=1.
-Overlap: fc1's backward starts the reduce-scatter of its input gradient with async_op=True and computes the weight
-gradient into an fp32 `main_grad` while it travels (Megatron's gradient-accumulation fusion).
-
-Ulysses (Jacobs et al., 2023). q, k, v arrive as [b, s/P, h, d]; an all-to-all each makes them [b, s, h/P, d],
-attention runs over the whole sequence on h/P heads, and one more all-to-all brings the output back:
-
+Ulysses (Jacobs et al., 2023). An all-to-all turns q, k, v [b, s/P, h, d] into [b, s, h/P, d], attention runs on
+h/P heads over the whole sequence, one more all-to-all brings the output back: forward sends 4(P-1)/P^2 * V, 2/P
+of Megatron SP's for the same layer, and P <= h.
     R0 [s0 | h0 h1 h2 h3]  --all_to_all_4d(x, scatter_dim=2, gather_dim=1)-->  R0 [s0 s1 s2 s3 | h0]
     R1 [s1 | h0 h1 h2 h3]  <--all_to_all_4d(x, scatter_dim=1, gather_dim=2)--  R1 [s0 s1 s2 s3 | h1]
-
-Each all-to-all sends (P-1)/P of a rank's [b, s/P, h*d] slice: in forward q, k, v and out send 4(P-1)/P^2 * V,
-against 2(P-1)/P * V for Megatron SP's all-gather in and reduce-scatter out of the same layer: 2/P of it. h caps P.
 
 Ring attention (context parallelism: Liu et al. 2023; Megatron CP, torch's context_parallel). No head split, so
 no cap: K and V go round a ring of P ranks while each rank keeps its own queries. Under a causal mask a
@@ -50,11 +43,9 @@ attention compute, it allows any mask (documents packed in one sequence), and it
 steps to hide. The ring wins when K and V are large (many K/V heads), when the whole sequence's K and V do not
 fit on one device, or across slow links where only an overlapped transfer is affordable.
 
-Which one. Megatron SP goes with TP (TP's bytes, one all-gather more in backward, 1/tp of the activations around
-the block). Ulysses moves 2/P of that per attention layer but needs P <= heads (K/V heads under GQA) and a fast
-all-to-all: inside a node.
-Ring (or all-gather) CP has no head limit and hides its transfers behind attention: the longest sequences, and
-the ranks beyond what heads allow, often across nodes; Ulysses and ring compose (heads inside, ring outside).
+Which one. Megatron SP goes with TP (its bytes, 1/tp of the activations around the block). Ulysses moves 2/P of
+that but needs P <= heads (K/V heads under GQA) and a fast all-to-all: inside a node. Ring CP has no head limit
+and hides its transfers behind attention: the longest sequences, across nodes; Ulysses and ring compose.
 
     torchrun --nproc-per-node=4 06_sequence_parallel.py
 """
