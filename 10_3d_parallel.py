@@ -56,6 +56,7 @@ pp 2 where it divides the rest, dp the rest); GRID=1x4x2 or any other product of
 import contextlib
 import copy
 import importlib
+import inspect
 from fractions import Fraction
 
 import torch
@@ -68,7 +69,9 @@ tp_layers = importlib.import_module("05_tp_layers")          # Column/RowParalle
 seq_par = importlib.import_module("06_sequence_parallel")    # sequence-parallel regions, SP gradient all-reduce
 vocab_par = importlib.import_module("07_vocab_parallel")     # VocabParallelEmbedding, the vocab-parallel loss
 pipeline = importlib.import_module("08_pipeline_1f1b")       # schedule_1f1b, P2PCommunicator, run_schedule
-data_par = importlib.import_module("09_ddp_zero2")           # ZeRO-2
+data_par = importlib.import_module("09_ddp_zero2")           # ZeRO-2, ZeRO-3 (nn.Modules, main_grad handshake)
+# 07's embedding reduce-scatters straight to the sequence split (Megatron's reduce_scatter_embeddings) where it can
+SP_EMBEDDING = "sequence_parallel" in inspect.signature(vocab_par.VocabParallelEmbedding.from_dense).parameters
 
 
 class Grid:
@@ -122,8 +125,10 @@ class GPT(nn.Module):
 class GPTStage(nn.Module):
     """This rank's part of GPT: its stage's layers (all stages), the embedding (first stage), the final LayerNorm,
     the tied head and the loss (last stage), every weight split over the TP group. Built from the one-process
-    model, so both start equal. forward: ids [b, s] (first stage) or [b, s/tp, h] -> [b, s/tp, h] or logits
-    [b, s, V/tp] (last stage)."""
+    model, so both start equal. Activations are Megatron's [s, b, h]. forward: ids [b, s] (first stage) or
+    [s/tp, b, h] -> [s/tp, b, h], or logits [s, b, V/tp] (last stage). Column layers inside the stage add dW
+    straight into main_grad (gradient-accumulation fusion, 09's handshake); the tied head does not: its dW must
+    add up with the embedding's in one .grad where both are one Parameter."""
 
     def __init__(self, gpt: GPT, grid: Grid):
         super().__init__()
@@ -139,11 +144,15 @@ class GPTStage(nn.Module):
                 ln1=copy.deepcopy(blk.ln1), ln2=copy.deepcopy(blk.ln2),
                 attn=tp_layers.ParallelSelfAttention.from_dense(blk.attn, tp, sequence_parallel=True),
                 mlp=tp_layers.parallel_mlp(blk.mlp, tp, sequence_parallel=True)))
+            for m in mine.modules():
+                if isinstance(m, tp_layers.ColumnParallelLinear):
+                    m.gradient_accumulation_fusion = True             # dW into main_grad (Megatron's fusion)
             for p in (*mine.ln1.parameters(), *mine.ln2.parameters(), mine.mlp[2].bias):
                 p.sequence_parallel = True                            # applied to this rank's slice of s
             self.layers.append(mine)
         if self.is_first:
-            self.embed = vocab_par.VocabParallelEmbedding.from_dense(gpt.embed, tp)
+            sp = dict(sequence_parallel=True) if SP_EMBEDDING else {}
+            self.embed = vocab_par.VocabParallelEmbedding.from_dense(gpt.embed, tp, **sp)
         if self.is_last:
             self.ln_f = copy.deepcopy(gpt.ln_f)
             for p in self.ln_f.parameters():
@@ -159,12 +168,13 @@ class GPTStage(nn.Module):
         return self.embed.weight if self.is_first else self.head.weight if self.is_last else None
 
     def forward(self, x):
-        if self.is_first:                                             # ids [b, s] -> [b, s, h] -> [b, s/tp, h]
-            x = seq_par.scatter_to_sequence_parallel_region(self.embed(x), self.group, dim=1)
+        if self.is_first:                                             # ids [b, s] -> [s, b] -> [s/tp, b, h]
+            x = self.embed(x.t()) if SP_EMBEDDING else \
+                seq_par.scatter_to_sequence_parallel_region(self.embed(x.t()), self.group)
         for blk in self.layers:
             x = x + blk.attn(blk.ln1(x))
             x = x + blk.mlp(blk.ln2(x))
-        return self.head(self.ln_f(x)) if self.is_last else x        # logits [b, s, V/tp]
+        return self.head(self.ln_f(x)) if self.is_last else x        # logits [s, b, V/tp]
 
     def shards_of(self, gpt: GPT, val=torch.Tensor.detach):
         """{name: this rank's slice of val(p) for gpt's parameter p} for every parameter here (val: the value,
@@ -204,7 +214,7 @@ def train_step(stage, model, comm, ids, targets, before_step=None):
     up without DP traffic (no_sync); finalize_grads; ZeRO-2's reduce-scatter, step and all-gather (09). Returns
     the mean loss over this replica's micro-batches on the last stage, else None."""
     def loss_fn(logits, target):                                      # mean over the micro-batch's tokens
-        return vocab_par.vocab_parallel_cross_entropy(logits, target, group=stage.group).mean()
+        return vocab_par.vocab_parallel_cross_entropy(logits, target.t(), group=stage.group)  # [s, b, V/tp]
 
     with model.no_sync():
         loss, _, _ = pipeline.run_schedule(stage, pipeline.schedule_1f1b, comm, ids, targets, loss_fn)
@@ -216,9 +226,9 @@ def train_step(stage, model, comm, ids, targets, before_step=None):
     return loss
 
 
-def zero2(stage, grid, bucket_numel, **optimizer_kwargs):
-    """09's ZeRO-2 over the DP group, holding the grid for finalize_grads."""
-    model = data_par.ZeRO2(stage, bucket_numel, group=grid.dp, **optimizer_kwargs)
+def data_parallel(stage, grid, bucket_numel, zero=2, **optimizer_kwargs):
+    """09's ZeRO-2 (or ZeRO-3) over the DP group, holding the grid for finalize_grads."""
+    model = (data_par.ZeRO2 if zero == 2 else data_par.ZeRO3)(stage, bucket_numel, group=grid.dp, **optimizer_kwargs)
     model.grid = grid
     return model
 
@@ -242,14 +252,14 @@ def step_traffic(c, stage):
             old = out.get((kind, op), (0, 0))
             out[(kind, op)] = (old[0] + calls, old[1] + calls * RING[op](n) * payload)
 
-    add("tp", "all_gather", t, 4 * per * m, A // t)                   # per layer: 2 forward, 2 backward
-    add("tp", "reduce_scatter", t, 4 * per * m, A)
-    if first:
-        add("tp", "all_reduce", t, m, A)                              # the embedding
-        add("tp", "all_gather", t, m, A // t)                         # its split to the sequence, backward
+    add("tp", "all_gather", t, 6 * per * m, A // t)   # per layer: 2 forward, 2 re-gathers and 2 of RS's backward
+    add("tp", "reduce_scatter", t, 4 * per * m, A)    # 2 forward (row layers), 2 backward (column layers' dx)
+    if first:                                         # the embedding: reduce-scatter (SP) or all-reduce + split
+        add("tp", "reduce_scatter" if c.get("sp_embedding", True) else "all_reduce", t, m, A)
+        add("tp", "all_gather", t, m, A // t)                         # its backward
     if last:
-        add("tp", "all_gather", t, m, A // t)                         # the head's input
-        add("tp", "reduce_scatter", t, m, A)                          # its gradient
+        add("tp", "all_gather", t, 2 * m, A // t)                     # the head's input, again in backward
+        add("tp", "reduce_scatter", t, m, A)                          # its input's gradient
         add("tp", "all_gather", t, m, 3 * c["micro"] * c["seq"] * max(c["e"], 4))  # the loss: 3 fp32 a token
     sp_numel = 5 * c["hidden"] * per + (2 * c["hidden"] if last else 0)
     add("tp", "all_reduce", t, 1, sp_numel * c["eg"])
@@ -281,42 +291,82 @@ MICRO, M, STEPS = 2, 4, 3              # sequences per micro-batch, micro-batche
 HYPER = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 BUCKET = 10 ** 6                       # one bucket per stage: the DP bytes are exact, padding included
 SCALE = dict(hidden=4096, ffn=16384, layers=32, seq=8192, vocab=128256, micro=1, m=8, dp=8, pp=4, tp=8,
-             e=2, eg=4, ep=2, bucket=40_000_000, nvlink_GBps=450, ib_GBps=50)
+             e=2, eg=4, ep=2, bucket=40_000_000, nvlink_GBps=450.0, ib_GBps=50.0)
+
+
+def fitting_grids(world):
+    """Every dp x pp x tp of `world` the toy model can take: tp divides heads, seq, vocab and ffn, pp the layers."""
+    return [(world // (pp * tp), pp, tp) for tp in range(1, world + 1) for pp in range(1, world // tp + 1)
+            if world % (pp * tp) == 0 and not (HEADS % tp or SEQ % tp or VOCAB % tp or FFN % tp or LAYERS % pp)]
 
 
 def choose_grid(world):
-    """GRID=dpxppxtp if given, else tp 2 if it divides W, then pp 2 if it divides the rest, dp the rest."""
+    """GRID=dpxppxtp if given, else tp 2 if it divides W, then pp 2 if it divides the rest, dp the rest.
+    Returns ((dp, pp, tp), None) or (None, one line naming the value and what would fit)."""
     import os
-    if os.environ.get("GRID"):
-        try:
-            dp, pp, tp = (int(v) for v in os.environ["GRID"].lower().split("x"))
-        except ValueError:
-            return None, f"GRID={os.environ['GRID']!r}: write it dpxppxtp, e.g. GRID=2x2x2"
-    else:
+    raw = os.environ.get("GRID", "").strip()
+    fits = " ".join("x".join(map(str, g)) for g in fitting_grids(world))
+    if not raw:
         tp = 2 if world % 2 == 0 else 1
         pp = 2 if world // tp % 2 == 0 else 1
-        dp = world // (tp * pp)
-    if dp * pp * tp != world or HEADS % tp or SEQ % tp or VOCAB % tp or FFN % tp or LAYERS % pp:
-        return None, (f"{world} ranks as dp {dp} x pp {pp} x tp {tp}: needs dp*pp*tp = {world}, tp dividing "
-                      f"heads {HEADS}, seq {SEQ}, vocab {VOCAB}, ffn {FFN}; pp dividing {LAYERS} layers")
+        return (world // (tp * pp), pp, tp), None
+    parts = raw.lower().split("x")
+    if len(parts) != 3 or not all(v.isdigit() and int(v) >= 1 for v in parts):
+        return None, f"GRID={raw!r}: write dpxppxtp, three whole numbers >= 1; at {world} ranks these fit: {fits}"
+    dp, pp, tp = map(int, parts)
+    if (dp, pp, tp) not in fitting_grids(world):
+        return None, (f"GRID={raw}: dp {dp} x pp {pp} x tp {tp} needs dp*pp*tp = {world} ranks, tp dividing heads "
+                      f"{HEADS}, seq {SEQ}, vocab {VOCAB} and ffn {FFN}, pp dividing {LAYERS} layers; these fit: {fits}")
     return (dp, pp, tp), None
 
 
+def choose_zero():
+    """ZERO=2 (default) or ZERO=3: the data-parallel wrapper of 09 the grid trains with."""
+    import os
+    raw = os.environ.get("ZERO", "").strip() or "2"
+    return (int(raw), None) if raw in ("2", "3") else (None, f"ZERO={raw!r}: give 2 (ZeRO-2, the default) or 3")
+
+
 def scale_overrides():
-    """key=value pairs from the command line and from SCALE="key=value,..." (numbers); unknown keys refused."""
+    """key=value pairs from the command line and from SCALE="key=value,..."; every bad one is refused in one
+    line naming it: a whole number >= 1 for sizes and bytes, a number > 0 for bandwidths, tp dividing what it
+    splits and pp the layers. Returns (overrides, None) or ({}, why)."""
+    import math
     import os
     import sys
-    pairs = [p for p in os.environ.get("SCALE", "").replace(",", " ").split() + sys.argv[1:]]
+    pairs = os.environ.get("SCALE", "").replace(",", " ").split() + sys.argv[1:]
     out = {}
     for pair in pairs:
-        key, _, value = pair.partition("=")
-        if key not in SCALE or not value.replace(".", "", 1).isdigit():
-            return {}, f"{pair!r}: give key=number with key one of {', '.join(SCALE)}"
-        out[key] = type(SCALE[key])(float(value))
+        key, eq, value = pair.partition("=")
+        if key not in SCALE or not eq:
+            return {}, (f"{pair!r} is not key=value with a key of {', '.join(SCALE)}"
+                        + (" (README's '...' stands for more of them)" if "..." in pair else ""))
+        if isinstance(SCALE[key], int):
+            if not (value.isdigit() and int(value) >= 1):
+                return {}, f"{key}={value}: {key} is a whole number >= 1 (default {key}={SCALE[key]})"
+            out[key] = int(value)
+        else:
+            try:
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if not 0 < number < math.inf:
+                return {}, f"{key}={value}: {key} is a number > 0 (default {key}={SCALE[key]:g})"
+            out[key] = number
     c = {**SCALE, **out}
-    if c["layers"] % c["pp"] or c["vocab"] % c["tp"] or c["seq"] % c["tp"] or c["ffn"] % c["tp"]:
-        return {}, f"at scale tp={c['tp']} must divide vocab, seq and ffn, and pp={c['pp']} the layers"
+    split = [k for k in ("hidden", "ffn", "seq", "vocab") if c[k] % c["tp"]]
+    if split:
+        return {}, (f"tp={c['tp']} does not divide {', '.join(f'{k}={c[k]}' for k in split)}: tensor parallelism "
+                    f"splits them; tp {' or '.join(str(d) for d in divisors(c, ('hidden', 'ffn', 'seq', 'vocab')))} would")
+    if c["layers"] % c["pp"]:
+        return {}, (f"pp={c['pp']} does not divide layers={c['layers']}: each stage holds layers/pp of them; pp "
+                    f"{' or '.join(str(d) for d in divisors(c, ('layers',)))} would")
     return out, None
+
+
+def divisors(c, keys, most=64):
+    """The numbers up to `most` that divide every c[k]: what tp or pp could be."""
+    return [d for d in range(1, most + 1) if all(c[k] % d == 0 for k in keys)]
 
 
 def batch(step, dp, device):
@@ -344,14 +394,14 @@ def show_grid(grid, world):
     log("every rank is in one group of each kind (the embedding group: first and last stages only)")
 
 
-def train(grid, device):
+def train(grid, device, zero):
     """The same GPT trained STEPS steps in one process (whole batch) and on the grid; one step's traffic counted."""
     head(f"{STEPS} AdamW steps on the grid against one process on the whole batch, float64")
     torch.manual_seed(0)
     gpt = GPT(VOCAB, HIDDEN, HEADS, FFN, LAYERS, dtype=torch.float64).to(device)
     stage = GPTStage(gpt, grid)
-    model = zero2(stage, grid, BUCKET, **HYPER)
-    comm = pipeline.P2PCommunicator((MICRO, SEQ // grid.tp_size, HIDDEN), torch.float64, device, grid.pp)
+    model = data_parallel(stage, grid, BUCKET, zero, **HYPER)
+    comm = pipeline.P2PCommunicator((SEQ // grid.tp_size, MICRO, HIDDEN), torch.float64, device, grid.pp)
     opt = torch.optim.AdamW(gpt.parameters(), **HYPER)
     rows = slice(grid.d * M * MICRO, (grid.d + 1) * M * MICRO)      # this replica's share of the batch
     micro = lambda t: list(t[rows].split(MICRO))
@@ -417,7 +467,7 @@ def tally(calls, grid):
 
 def toy_config(grid):
     c = dict(hidden=HIDDEN, ffn=FFN, layers=LAYERS, seq=SEQ, vocab=VOCAB, micro=MICRO, m=M, dp=grid.dp_size,
-             pp=grid.pp_size, tp=grid.tp_size, e=8, eg=8, ep=8)
+             pp=grid.pp_size, tp=grid.tp_size, e=8, eg=8, ep=8, sp_embedding=SP_EMBEDDING)
     c["buckets"] = [-(-stage_numel(c, grid.p) // grid.dp_size) * grid.dp_size]  # one bucket, padded to dp
     return c
 
@@ -445,7 +495,7 @@ def scale(overrides):
     head(f"the same forms at scale: hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, vocab {c['vocab']}, "
          f"{c['m']} micro-batches of {c['micro']}, dp {c['dp']} x pp {c['pp']} x tp {c['tp']}")
     log(f"activations {c['e']} bytes an element, gradients {c['eg']}, parameters {c['ep']}; TP on NVLink "
-        f"{c['nvlink_GBps']} GB/s, the others on InfiniBand {c['ib_GBps']} GB/s (per rank, one direction)")
+        f"{c['nvlink_GBps']:g} GB/s, the others on InfiniBand {c['ib_GBps']:g} GB/s (per rank, one direction)")
     link = {"tp": c["nvlink_GBps"], "pp": c["ib_GBps"], "dp": c["ib_GBps"], "embedding": c["ib_GBps"]}
     stages = sorted({0, c["pp"] - 1})
     per_stage = []
@@ -458,7 +508,7 @@ def scale(overrides):
             calls, b = by_group.get(kind, (0, 0))
             by_group[kind] = (calls + n, b + sent)
         per_stage.append(by_group)
-        log(f"stage {stage}: {numel / 1e9:.2f} B parameters a rank")
+        log(f"stage {stage}: {numel / 1e6:,.1f} million parameters a rank, {numel * c['ep'] / 1e9:.2f} GB")
     log(f"{'group':10} " + " ".join(f"{f'stage {s}: calls':>15} {'GB sent':>8} {'seconds':>8}" for s in stages))
     for kind in sorted(set().union(*per_stage)):
         cells = [by_group.get(kind, (0, 0)) for by_group in per_stage]
@@ -469,14 +519,15 @@ def scale(overrides):
 
 def main():
     W = launched_world_size()
-    shape, why = choose_grid(W)
+    shape, why = choose_grid(W)                       # every input checked before any work: one line on each rank
+    zero, bad_zero = choose_zero()
     overrides, bad = scale_overrides()
-    if shape is None or bad:
-        refuse(why or bad)
+    if why or bad_zero or bad:
+        refuse(why or bad_zero or bad)
     rank, world, device = setup()
     grid = Grid(*shape)
     show_grid(grid, world)
-    counted, stage = train(grid, device)
+    counted, stage = train(grid, device, zero)
     count_traffic(counted, grid)
     scale(overrides)
     finish(f"a GPT on dp {grid.dp_size} x pp {grid.pp_size} x tp {grid.tp_size} (SP, vocab-parallel, 1F1B, ZeRO-2) "
