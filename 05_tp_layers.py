@@ -289,7 +289,8 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_parallel:  X_r [s/p, b, in] --all-gather along s--> X [s, b, in] --> Y_r [s, b, out/p]
     nn.Linear stores A^T as weight [out, in]: rank r keeps rows r of the weight, and b_r. With sequence_parallel
     it runs LinearWithSequenceParallel: backward keeps only X_r and all-gathers it again; every rank's X_r must
-    have one shape. gradient_accumulation_fusion (SP only): dW goes to weight.main_grad, not weight.grad.
+    have one shape (checked, see _check_equal_slices). gradient_accumulation_fusion (SP only): dW goes to
+    weight.main_grad, not weight.grad.
     """
     weight_dim = 0
 
@@ -297,9 +298,24 @@ class ColumnParallelLinear(_ParallelLinear):
                  device=None, dtype=None, sequence_parallel=False, gradient_accumulation_fusion=False):
         super().__init__(in_features, out_features, bias, group, device, dtype, sequence_parallel)
         self.gather_output, self.gradient_accumulation_fusion = gather_output, gradient_accumulation_fusion
+        self._checked_shape = None
+
+    def _check_equal_slices(self, x):
+        """Unequal slices would abort gloo's all-gather (SIGABRT on one rank, the others carry on with a wrong
+        shape) and hang NCCL's. So one all-gather of the shape checks them, on the first call and whenever this
+        rank's shape changes: per step, nothing (a rank whose shape alone changes still meets a mismatch)."""
+        if dist.get_world_size(self.group) == 1 or x.shape == self._checked_shape:
+            return
+        shape = torch.tensor(x.shape, device=x.device)
+        every = _gather_along_dim(shape.unsqueeze(0), 0, self.group)               # [p, x.dim()]
+        if not bool((every == shape).all()):
+            raise ValueError(f"sequence-parallel slices differ across the group: shapes {every.tolist()}; every "
+                             f"rank must hand in [s/p, b, in] of one shape (scatter_to_sequence_parallel_region)")
+        self._checked_shape = x.shape
 
     def forward(self, x):                       # x: [.., in] the same on every rank, or with SP [s/p, b, in]
         if self.sequence_parallel:
+            self._check_equal_slices(x)
             y = LinearWithSequenceParallel.apply(x, self.weight, self.bias, self.group,
                                                  self.gradient_accumulation_fusion)
         else:
@@ -530,6 +546,8 @@ def check_against_dense(dense_fn, parallel, x, dy, group, dense_grads, x_dim=Non
     parallel input / output is this rank's slice (None: whole). Returns traffic() of the parallel step."""
     cut = lambda t, dim: t if dim is None else part(t, dim, group)
     x_p, x = leaf(cut(x, x_dim)), leaf(x)
+    with torch.no_grad():
+        parallel(x_p)  # a first call: an SP column layer checks the slices' shapes here (traffic below: per step)
     with traffic() as t:
         y_p = parallel(x_p)
         y_p.backward(cut(dy, y_dim))
@@ -654,6 +672,31 @@ def sequence_parallel(groups, device):
     log("both also with gather_output=True / input_is_parallel=False; the row bias grad (this rank's part of s)")
     log("summed over the group by allreduce_sequence_parallel_grads == dense")
     mlp_and_attention(groups, device, sp=True)
+    unequal_slices(device)
+
+
+def unequal_slices(device):
+    """The SP column layer's precondition, equal slices on every rank: one all-gather of the shape on a new shape,
+    none while it stays; unequal ones raise one ValueError line on every rank instead of aborting gloo."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layer = ColumnParallelLinear(HIDDEN, FFN, sequence_parallel=True, device=device, dtype=F64)
+    x = torch.zeros(SEQ // world, BATCH, HIDDEN, device=device, dtype=F64)
+    with traffic() as t:
+        layer(x)
+        layer(x)
+    check = [("all_gather", 3 * 8)] if world > 1 else []                    # the shape: 3 int64
+    assert [(n, b) for n, _, b in t.calls] == check + [("all_gather", x.nbytes)] * (world > 1) * 2, t.calls
+    if world == 1:
+        return
+    lengths = [SEQ // world + 1 + (r > 0) for r in range(world)]            # every rank's shape changes
+    try:
+        layer(torch.zeros(lengths[rank], BATCH, HIDDEN, device=device, dtype=F64))
+        raise AssertionError("unequal slices accepted")
+    except ValueError as e:
+        shapes = [[n, BATCH, HIDDEN] for n in lengths]
+        assert str(e).startswith(f"sequence-parallel slices differ across the group: shapes {shapes}; "), e
+        log(f"refused on every rank: ValueError('{e}')")
+    log(f"equal slices: checked by one all-gather of {3 * 8} B on a new shape, none while the shape stays")
 
 
 def kept_for_backward(fn, params):
