@@ -196,8 +196,11 @@ def ring_all_reduce(x, group=None):
 
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+import os
+import time
+
 try:
-    from common import finish, head, log, log_all, overlap, setup, time_overlap, traffic
+    from common import finish, head, log, log_all, overlap, refuse, setup, sync, time_overlap, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -384,8 +387,102 @@ def section_overlap(rank, W, device):
     log("(not asserted: gloo reduces on CPU threads that compete with the matmul for cores; NCCL has its own stream)")
 
 
+# ---- BENCH=1: an nccl-tests-style table (not run by the suite; each op's result is still checked) -----------
+def bench_ops(rank, W, device):
+    """name -> (busbw factor, make(n) -> (call, check)), for n float32 elements (a multiple of W). nccl-tests'
+    doc/PERFORMANCE.md: algbw = S / t, S the bytes of the op's largest buffer (the all-gather's output, the
+    reduce-scatter's input); busbw = algbw * factor, the bytes the busiest link carries per second in a ring."""
+    f32 = dict(dtype=torch.float32, device=device)
+    W_sum = W * (W + 1) / 2                              # rank r contributes r + 1
+
+    def all_reduce(n):
+        x = torch.full((n,), rank + 1.0, **f32)
+        return lambda: dist.all_reduce(x), lambda: bool((x == W_sum).all())
+
+    def all_gather(n):
+        inp, out = torch.full((n // W,), float(rank), **f32), torch.empty(n, **f32)
+        want = torch.arange(W, **f32)[:, None]
+        return lambda: all_gather_single(out, inp), lambda: bool((out.view(W, -1) == want).all())
+
+    def reduce_scatter_(n):
+        inp, out = torch.full((n,), rank + 1.0, **f32), torch.empty(n // W, **f32)
+        return lambda: reduce_scatter_single(out, inp), lambda: bool((out == W_sum).all())
+
+    def all_to_all(n):                                   # block j of rank r's input, r*W + j, goes to rank j
+        inp = (rank * W + torch.arange(W, **f32)).repeat_interleave(n // W)
+        out, want = torch.empty(n, **f32), (torch.arange(W, **f32) * W + rank)[:, None]
+        return lambda: dist.all_to_all_single(out, inp), lambda: bool((out.view(W, -1) == want).all())
+
+    def broadcast(n):
+        x = torch.full((n,), float(rank), **f32)
+        return lambda: dist.broadcast(x, src=0), lambda: bool((x == 0).all())
+
+    ring = (W - 1) / W
+    return {"all_reduce": (2 * ring, all_reduce), "all_gather": (ring, all_gather),
+            "reduce_scatter": (ring, reduce_scatter_), "all_to_all": (ring, all_to_all), "broadcast": (1, broadcast)}
+
+
+def slowest(seconds, device):
+    """The slowest rank's seconds (what nccl-tests' time means to a training step: every rank waits for it)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def timed(call, device, budget=0.05):
+    """Mean seconds of one call: one call sizes the count, then as many as fit `budget` (all ranks alike)."""
+    sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    call()
+    sync(device)
+    iters = max(1, min(50, int(budget / max(slowest(time.perf_counter() - t0, device), 1e-9))))
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    sync(device)
+    return slowest((time.perf_counter() - t0) / iters, device)
+
+
+def bench(rank, W, device, sizes=tuple(8 << 2 * k for k in range(13)) + (256 << 20,)):
+    """algbw and busbw as nccl-tests defines them (its doc/PERFORMANCE.md). algbw = S / t depends on W for one
+    link speed (a ring all-reduce moves 2(W-1)/W * S per rank); busbw removes that factor, so it reads against
+    the hardware's link bandwidth at any W: busbw is what to compare across sizes, ranks and machines."""
+    head(f"BENCH: {dist.get_backend()} at {W} ranks, float32, 8 B .. 256 MiB; GB/s = 1e9 bytes/s; "
+         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    src = torch.ones(sizes[-1] // 4, device=device)      # touched: its pages exist before the clock starts
+    dst = torch.zeros_like(src)
+    copy = timed(lambda: dst.copy_(src), device, 0.5)
+    del src, dst
+    log(f"memory copy (copy_ of {sizes[-1] >> 20} MiB on every rank at once): {sizes[-1] / copy / 1e9:.1f} GB/s "
+        f"per rank, the most loopback gloo can approach")
+    ops = bench_ops(rank, W, device)
+    log("algbw = S/t; busbw = algbw x 2(W-1)/W (all_reduce), (W-1)/W (all_gather, reduce_scatter, all_to_all), "
+        "1 (broadcast)")
+    log(f"{'S (bytes)':>10} {'AR time':>9} " + " ".join(f"{name:^13}" for name in ops) + "  algbw/busbw GB/s")
+    for size in sizes:
+        n = max(W, size // 4 // W * W)                  # elements: a multiple of W, as nccl-tests rounds
+        row = []
+        for name, (factor, make) in ops.items():
+            call, check = make(n)
+            call()
+            assert check(), f"{name} of {n * 4} B: wrong result"
+            t = timed(call, device)
+            row.append(f"{n * 4 / t / 1e9:6.2f}/{n * 4 / t / 1e9 * factor:<6.2f}")
+            ar_us = t * 1e6 if name == "all_reduce" else ar_us
+            del call, check
+        log(f"{n * 4:>10} {ar_us:>7.0f}us " + " ".join(row))
+
+
 def main():
+    if os.environ.get("BENCH", "").strip() not in ("", "0", "1"):
+        refuse(f"BENCH={os.environ['BENCH']!r}: BENCH=1 prints the bandwidth table, BENCH=0 (or unset) runs the lesson")
     rank, W, device = setup()
+    if os.environ.get("BENCH", "").strip() == "1":
+        bench(rank, W, device)
+        finish(f"BENCH at {W} ranks: every op's result checked at every size (the speeds are measurements)")
+        return
     f64 = dict(dtype=torch.float64, device=device)     # integer-valued float64: every sum below is exact
     groups, funcol = parity_groups(W), torch_functional_collectives()
     section_collectives(rank, W, f64)
