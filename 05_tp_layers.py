@@ -734,6 +734,13 @@ def activation_memory(device):
     log(f"MLP saved for backward: TP {got[False]} B = V + 2A, SP {got[True]} B = V/{world} + 2A "
         f"(V = {V} B fc1's input [s, b, h], A = {A} B [s, b, ffn/p]); fc1 keeps [s/p, b, h], gathers it again")
     log("gradient_accumulation_fusion=True: dW in weight.main_grad (fp32 or wider) == dense, weight.grad None")
+    mha, att = dense_blocks(2, device)["attention"][0], {}
+    for sp in (False, True):
+        layer = ParallelSelfAttention.from_dense(mha, sequence_parallel=sp)
+        x_in = (part(x, SEQ_DIM, None) if sp else x).clone().requires_grad_()
+        att[sp] = kept_for_backward(lambda: layer(x_in), layer.parameters())[1]
+    assert att[False] - att[True] == V - V // world, att    # QKV's input [s, b, h] -> [s/p, b, h]; the rest alike
+    log(f"attention saved for backward: TP {att[False]} B, SP {att[True]} B: QKV's input, V - V/{world} B less")
 
 
 def bfloat16(device):
