@@ -69,7 +69,7 @@ def launched_world_size() -> int:
     """
     if all(v in os.environ for v in _TORCHRUN_VARS):
         return int(os.environ["WORLD_SIZE"])
-    nproc = os.environ.get("NPROC", "4")
+    nproc = os.environ.get("NPROC", "").strip() or "4"  # empty means the default, as for BACKEND and PG_TIMEOUT
     if not nproc.isdigit() or int(nproc) < 1:
         print(f"{_script()}: NPROC={nproc!r} is not a number of processes (a whole number >= 1)",
               file=sys.stderr, flush=True)

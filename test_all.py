@@ -663,6 +663,65 @@ def test_trace_of_09_shows_all_reduces_under_backward(tmp_path):
         assert under, f"rank {rank}: no backward op ran while an all-reduce was in flight"
 
 
+def test_two_stuck_ranks_are_both_named(tmp_path):
+    """The monitored barrier at the end waits for every rank it can, and names all that never came, not the first."""
+    probe = _script(tmp_path, """
+        import time
+        from common import finish, setup
+        rank, world, device = setup()
+        if rank in (1, 3):
+            time.sleep(30)
+        finish("unreachable")
+    """)
+    run_ = launch(probe, 4, extra_env={"PG_TIMEOUT": "2"}, deadline=60, real_exit=False, grace=3)
+    assert not run_.timed_out and run_.codes[0] not in (0, None), run_.report()
+    assert re.search(r"Ranks 1, 3 failed to pass monitoredBarrier", run_.errs[0]), run_.report()
+
+
+def test_bad_nproc_is_one_line():
+    """`python FILE` with an NPROC that is not a number of processes >= 1: one line naming it, exit 2, no torchrun
+    (empty means the default, 4, as for BACKEND and PG_TIMEOUT)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    code = textwrap.dedent("""
+        import os, sys
+        sys.argv = ["01_p2p.py"]
+        sys.path.insert(0, ".")
+        import common
+        os.execv = lambda exe, args: print("execv", *args[1:5])   # the relaunch, not run
+        for nproc in ["0", "-1", "two", "1.5", "", " 2 "]:
+            os.environ["NPROC"] = nproc
+            try:
+                common.launched_world_size()
+            except SystemExit as e:
+                print("exit", e.code)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, env=env, timeout=60)
+    refused = [f"01_p2p.py: NPROC={v!r} is not a number of processes (a whole number >= 1)"
+               for v in ["0", "-1", "two", "1.5"]]
+    assert p.stderr.splitlines() == refused, p.stderr
+    out = [ln for ln in p.stdout.splitlines() if not ln.startswith("not started by torchrun")]
+    assert out == ["exit 2"] * 4 + ["execv -m torch.distributed.run --standalone --nproc-per-node=4",
+                                    "execv -m torch.distributed.run --standalone --nproc-per-node=2"], p.stdout
+
+
+def test_log_all_on_a_sub_group(tmp_path):
+    """log_all(msg, group): each group's first rank prints its members' lines in group-rank order; no one else."""
+    probe = _script(tmp_path, """
+        import torch.distributed as dist
+        from common import finish, log_all, setup
+        rank, world, device = setup()
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        log_all(f"parity {rank % 2}", group=groups[rank % 2])
+        finish("log_all on sub-groups")
+    """)
+    run_ = launch(probe, 4, real_exit=False)
+    check_passed(run_)
+    assert run_.outs[0].splitlines()[:2] == ["[R0] parity 0", "[R2] parity 0"], run_.report()
+    assert run_.outs[1] == "[R1] parity 1\n[R3] parity 1\n", run_.report()
+    assert run_.outs[2] == run_.outs[3] == "", run_.report()
+
+
 @pytest.mark.parametrize("where", ["file", "file/sub"])
 def test_bad_trace_directory_is_one_line_on_every_rank(tmp_path, where):
     (tmp_path / "file").write_text("")
