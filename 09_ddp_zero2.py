@@ -181,16 +181,7 @@ class DDP(nn.Module):
         groups = _parameter_groups(param_groups, params, names)
         self.module, self.group, self.overlap = module, group, overlap
         self.world, rank = dist.get_world_size(group), dist.get_rank(group)
-        order, runs = {id(p): i for i, p in enumerate(params)}, []
-        for g, (_, members) in enumerate(groups):
-            runs.append((g, []))
-            for p in sorted(members, key=lambda p: order[id(p)]):  # a new bucket once this one holds
-                run = runs[-1][1]                                   # bucket_numel elements, or at a new dtype/device
-                if run and (sum(q.numel() for q in run) >= bucket_numel or
-                            (p.dtype, p.device) != (run[0].dtype, run[0].device)):
-                    runs.append((g, []))
-                runs[-1][1].append(p)
-        runs.sort(key=lambda run: order[id(run[1][-1])])  # buckets in the order backward completes them
+        runs = bucket_runs(params, [members for _, members in groups], bucket_numel)
         self.buckets = [Bucket(i, run, self.world, rank, g) for i, (g, run) in enumerate(runs)]
         source = dist.get_global_rank(group or dist.group.WORLD, 0)
         for b in self.buckets:
@@ -434,6 +425,22 @@ class DDP(nn.Module):
             b.opt.copy_(master)
 
 
+def bucket_runs(params, groups, bucket_numel):
+    """[(group index, parameters)] of each bucket. params: in backward order; groups: lists of parameters. A
+    bucket holds one group's parameters in backward order, closing after the one that brings it to bucket_numel
+    elements or more (or before a new dtype or device); buckets are ordered as backward completes them."""
+    order, runs = {id(p): i for i, p in enumerate(params)}, []
+    for g, members in enumerate(groups):
+        runs.append((g, []))
+        for p in sorted(members, key=lambda p: order[id(p)]):
+            run = runs[-1][1]
+            if run and (sum(q.numel() for q in run) >= bucket_numel or
+                        (p.dtype, p.device) != (run[0].dtype, run[0].device)):
+                runs.append((g, []))
+            runs[-1][1].append(p)
+    return sorted(runs, key=lambda run: order[id(run[1][-1])])
+
+
 def _parameter_groups(param_groups, params, names):
     """[(options, parameters)] from torch's param_groups form (None: one group); each parameter exactly once."""
     if param_groups is None:
@@ -643,12 +650,16 @@ class ZeRO3(ZeRO2):
 
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+import bisect
 import copy
+import itertools
 import os
+import shutil
+import tempfile
 import time
 
 try:
-    from common import finish, head, log, refuse, setup, sync, traffic
+    from common import finish, head, held_bytes, log, memory, refuse, setup, sync, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -725,8 +736,9 @@ def wire_times_w(calls):
     return sum(per[name](len(ranks)) * n for name, ranks, n in calls)
 
 
-def forward_backward(model, mode, ids, tgt):
-    """The forwards and backwards of one step of `model` in the given mode."""
+def forward_backward(model, mode, ids, tgt, after_each=lambda: None):
+    """The forwards and backwards of one step of `model` in the given mode (after_each: after each backward of
+    the plain micro-batch loop)."""
     M, R = MODES[mode]
     loss_of = lambda out, t: F.cross_entropy(out, t) / M
     if M == 1:
@@ -742,6 +754,7 @@ def forward_backward(model, mode, ids, tgt):
         for i, (xm, tm) in enumerate(zip(ids.chunk(M), tgt.chunk(M))):
             with model.no_sync() if R == 1 and i < M - 1 else contextlib.nullcontext():
                 loss_of(model(xm), tm).backward()
+            after_each()
 
 
 def check_grads(model, grads, names):
@@ -752,16 +765,29 @@ def check_grads(model, grads, names):
                                    rtol=1e-10, atol=1e-13)
 
 
-def train_and_compare(cls, optim, group, ranks, device, base):
+def train_and_compare(cls, optim, group, ranks, device, base, groups=None, outside=None):
     """cls over `group` (global ranks `ranks`) for STEPS steps, one per mode, against one process on all their
-    data with the same torch optimizer; returns the bytes sent per step in units of (W-1)/W * V."""
+    data with the same torch optimizer (param_groups groups(module), if given); returns the bytes sent per step
+    in units of (W-1)/W * V. outside: a parameter the model uses outside its module (ZeRO-3 gathers it once more
+    per micro-batch). Also checks that each synced backward starts every bucket's reduction once, itself."""
     W = len(ranks)
     mine = AdamW if cls is DDP and optim is ADAMW else optim[0]  # the hand-written AdamW, checked against torch's
-    model, ref = cls(copy.deepcopy(base), BUCKET, group, mine, **optim[1]), copy.deepcopy(base)
-    opt = optim[0](ref.parameters(), **optim[1])
+    net, ref = copy.deepcopy(base), copy.deepcopy(base)
+    model = cls(net, BUCKET, group, mine, param_groups=groups and groups(net), **optim[1])
+    opt = optim[0](groups(ref) if groups else ref.parameters(), **optim[1])
+    if groups:  # every bucket holds one group's parameters; each optimizer group has that group's options
+        where = {id(p): i for i, g in enumerate(groups(net)) for p in g["params"]}
+        assert all({where[id(p)] for p in b.params} == {b.group_index} for b in model.buckets)
+        assert [{k: g[k] for k in ("lr", "weight_decay")} for g in model.optimizer.param_groups] == \
+            [{k: g[k] for k in ("lr", "weight_decay")} for g in opt.param_groups]
+        assert len({b.group_index for b in model.buckets}) == len(opt.param_groups) > 1
     names = {id(p): n for n, p in ref.named_parameters()}
     names = {id(p): names[id(q)] for p, q in zip(model.module.parameters(), ref.parameters())}
     V = sum(b.numel for b in model.buckets) * 8
+    extra = sum(b.numel * 8 for b in model.buckets for p in b.params if p._dp_name == outside) * (cls is ZeRO3)
+    started, per_backward = [], []  # the buckets whose reduction each backward started (through the hooks)
+    start_reduction = model._start_reduction
+    model._start_reduction = lambda b: started.append(b.index) or start_reduction(b)
     units = []
     for step, mode in enumerate(MODES):
         M, R = MODES[mode]
@@ -770,12 +796,18 @@ def train_and_compare(cls, optim, group, ranks, device, base):
         opt.zero_grad()
         F.cross_entropy(ref(torch.cat([i for i, _ in batches])), torch.cat([t for _, t in batches])).backward()
         clip = 0.3 if mode.startswith("2 forwards") else None
+        started.clear(), per_backward.clear()
         with traffic() as t:
-            forward_backward(model, mode, *me)
+            forward_backward(model, mode, *me, after_each=lambda: per_backward.append(sorted(started)) or
+                             started.clear())
+        if mode.startswith("2,"):  # no_sync on the first: nothing; synced backwards: every bucket once, each
+            nb = len(model.buckets)
+            assert per_backward == [[] if R == 1 else list(range(nb)), list(range(nb))], (mode, per_backward)
         if clip:
             check_grads(model, {n: p.grad for n, p in ref.named_parameters()}, names)
-            with traffic() as tc:
-                norm = model.clip_grad_norm_(clip)
+            with traffic() as tc:  # torch's own clip_grad_norm_ on DDP; ZeRO keeps shards: model.clip_grad_norm_
+                norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if cls is DDP else
+                        model.clip_grad_norm_(clip))
             want = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             torch.testing.assert_close(norm, want, rtol=1e-12, atol=0)
             assert want > clip and tc.calls == ([] if cls is DDP else [("all_reduce", tuple(ranks), 8)]), tc.calls
@@ -789,8 +821,8 @@ def train_and_compare(cls, optim, group, ranks, device, base):
         assert all(r == tuple(ranks) for _, r, _ in calls), f"{cls.__name__}: a collective left the group"
         assert counts.count("all_reduce") == (R * nb if cls is DDP else 0), counts
         assert counts.count("reduce_scatter") == (0 if cls is DDP else R * nb), counts
-        assert counts.count("all_gather") == {DDP: 0, ZeRO2: nb, ZeRO3: 2 * M * nb}[cls], counts
-        assert wire_times_w(calls) == SENT[cls](M, R) * (W - 1) * V, (cls.__name__, mode, wire_times_w(calls))
+        assert counts.count("all_gather") == {DDP: 0, ZeRO2: nb, ZeRO3: 2 * M * nb + M * bool(extra)}[cls], counts
+        assert wire_times_w(calls) == (SENT[cls](M, R) * V + M * extra) * (W - 1), (cls.__name__, mode, calls)
         units.append(SENT[cls](M, R))
         for name, p in model.full_parameters().items():  # after every step
             torch.testing.assert_close(p, ref.get_parameter(name), rtol=1e-10, atol=1e-12,
@@ -817,15 +849,34 @@ def show_buckets(rank, W, device, base):
     assert model.module.head.weight is model.module.emb.weight and "head.weight" in model.full_parameters()
     log(f"{sum(b.used for b in model.buckets)} parameters (head.weight is emb.weight, one copy), "
         f"{sum(b.numel for b in model.buckets)} with padding; every rank holds group rank 0's values")
+    # where buckets close, for several bucket_numel: after the first parameter that brings the bucket to
+    # bucket_numel elements or more (the reference: a bisection on the prefix sums of the sizes in backward order)
+    sizes = [p.numel() for b in model.buckets for p in b.params]
+    prefix = list(itertools.accumulate(sizes))
+    params = [p for b in model.buckets for p in b.params]
+    for n in (1, 19, 70, 82, 83, 84, 100, 10 ** 6):
+        ends, done = [], 0
+        while done < len(sizes):
+            done = min(bisect.bisect_left(prefix, (prefix[done - 1] if done else 0) + n), len(sizes) - 1) + 1
+            ends.append(done)
+        got = bucket_runs(params, [params], n) if n != BUCKET else [(0, b.params) for b in model.buckets]
+        assert list(itertools.accumulate(len(run) for _, run in got)) == ends, (n, ends)
+    first = lambda n: [names[id(p)] for p in bucket_runs(params, [params], n)[0][1]]
+    assert first(83) == ["head.bias", "l2.bias", "l2.weight"] and first(84)[-1] == "l1.bias"  # 83 ends on l2.weight
+    log("bucket boundaries == the prefix-sum rule for bucket_numel 1, 19, 70 (this wrapper), 82, 83 (a parameter's "
+        "end), 84, 100, 1e6")
 
 
 def check_exact(W, device, base):
     head(f"2. DDP, ZeRO-2, ZeRO-3 == one process with the same torch optimizer on all {W * ROWS} tokens a step")
     for i, mode in enumerate(MODES):
         log(f"step {i}: {mode}")
-    sent = {cls: train_and_compare(cls, ADAMW, None, tuple(range(W)), device, base) for cls in CLASSES}
-    log(f"parameters == torch.optim.AdamW in one process after {STEPS} steps (float64, rtol 1e-10); DDP steps "
-        f"with the hand-written AdamW (adamw_)")
+    sent = {cls: train_and_compare(cls, ADAMW, None, tuple(range(W)), device, base, groups=decay_groups)
+            for cls in CLASSES}
+    log(f"parameters == torch.optim.AdamW in one process after {STEPS} steps (float64, rtol 1e-10), both given "
+        f"nanoGPT's parameter groups; DDP steps with the hand-written AdamW (adamw_)")
+    log("a bucket holds one group's parameters; each backward started each bucket's reduction once (or, under "
+        "no_sync, none)")
     log("gradients after sync_gradients() and clip_grad_norm_'s norm == one process (torch.nn.utils's)")
     log("bytes sent per step, x (W-1)/W * V: " + ", ".join(f"{cls.__name__} {sent[cls]}" for cls in CLASSES) +
         " (and every collective counted)")
@@ -843,22 +894,22 @@ def check_subgroups(rank, W, device, base):
 
 
 def held(model):
-    """Bytes of the distinct storages this rank holds: parameters, gradients, optimizer state (master included;
-    the 0-dim step counters left out)."""
-    total = lambda ts: sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts
-                            if t is not None}.values())
+    """Bytes of the distinct storages this rank holds (common.held_bytes: a storage resized to 0 counts 0):
+    parameters, gradients, optimizer state (master copies included; the 0-dim step counters left out)."""
     state = [t for st in model.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
-    return (total([t for b in model.buckets for t in (b.flat, b.local)]),
-            total([t for b in model.buckets for t in (b.main, b.grad)]),
-            total(state + [b.opt for b in model.buckets if b.opt is not b.local]))
+    return (held_bytes([*model.module.parameters(), *(b.local for b in model.buckets)]),
+            held_bytes([t for b in model.buckets for t in (b.main, b.grad)]),
+            held_bytes(state + [b.opt for b in model.buckets if b.opt is not b.local]))
 
 
 def watch(model, seen):
-    """Demo hooks (they run after the wrapper's): before and after every module's forward, before its backward
-    and at every gradient's arrival, record the gathered buckets and the bytes of full-size gradients alive."""
+    """Demo hooks (they run after the wrapper's): before and after every module's forward, before its backward,
+    at every gradient's arrival and as a reduction is finished (before its full-size gradient is freed), record
+    the bytes of gathered parameters and of full-size gradients held."""
     def measure(*_):
-        seen.append(([b.index for b in model.buckets if b.flat.untyped_storage().nbytes()],
-                     sum(b.grad.nbytes for b in model.buckets if b.grad is not None)))
+        seen.append((held_bytes(b.flat for b in model.buckets), held_bytes(b.grad for b in model.buckets)))
+    finish_reduction = model._finish
+    model._finish = lambda b: measure() or finish_reduction(b)
 
     def after_forward(module, args, out):
         measure()
@@ -874,13 +925,15 @@ def watch(model, seen):
 
 def check_memory(rank, W, device, base):
     head("4. Bytes held per rank (float64, AdamW: 2 moments, no master copy), measured; buckets of 10 or more")
-    got, seen = {}, {cls: [] for cls in CLASSES}
+    got, seen, kept = {}, {cls: [] for cls in CLASSES}, {}
     for cls in CLASSES:
         model = cls(copy.deepcopy(base), 10, None, ADAMW[0], **ADAMW[1])
         watch(model, seen[cls])
         for step in range(2):
-            forward_backward(model, next(iter(MODES)), *rank_batch(step, rank, device))
-            model.step()
+            with memory() as m:  # the second step allocates no state: whatever it keeps is a leak
+                forward_backward(model, next(iter(MODES)), *rank_batch(step, rank, device))
+                model.step()
+            kept[cls] = m.live()
         got[cls] = held(model)
         model.full_parameters()  # ZeRO-2: waits for the step's gathers (no collective left in flight)
     sizes = [b.numel * 8 for b in model.buckets]
@@ -888,17 +941,23 @@ def check_memory(rank, W, device, base):
     assert got[DDP] == (V, V, 2 * V), got[DDP]
     assert got[ZeRO2] == (V, V // W, 2 * V // W), got[ZeRO2]
     assert got[ZeRO3] == (V // W, V // W, 2 * V // W), got[ZeRO3]
-    for cls in ZeRO2, ZeRO3:  # the full-size gradient of two buckets at most, during backward
-        assert max(g for _, g in seen[cls]) <= two < V, (cls.__name__, seen[cls])
-    peak = max(len(gathered) for gathered, _ in seen[ZeRO3])
-    tied = sum(any(p is model.module.emb.weight for p in b.params) for b in model.buckets)
-    assert peak <= 2 + tied < len(model.buckets) and all(len(g) == len(sizes) for g, _ in seen[ZeRO2])
+    assert all(k == 0 for k in kept.values()), kept  # no gradient buffer, message or gathered bucket outlives a step
+    for cls in ZeRO2, ZeRO3:  # the full-size gradient of two adjacent buckets at most, during backward
+        assert max(g for _, g in seen[cls]) == two < V, (cls.__name__, two, seen[cls])
+    # ZeRO-3's gathered parameters: the tied weight's bucket through forward (embedding to head), plus the bucket
+    # in use and the one prefetched: two adjacent buckets of the others
+    tied = next(i for i, b in enumerate(model.buckets) if any(p is model.module.emb.weight for p in b.params))
+    rest = [(i, n) for i, n in enumerate(sizes) if i != tied]
+    closed = sizes[tied] + max(a + b for (i, a), (j, b) in zip(rest, rest[1:]) if j == i + 1)
+    peak = max(p for p, _ in seen[ZeRO3])
+    assert peak == closed < V and all(p == V for p, _ in seen[ZeRO2]), (peak, closed, V)
     for cls in CLASSES:
         log(f"{cls.__name__:6} parameters {got[cls][0]:5} + gradients {got[cls][1]:5} + state {got[cls][2]:5} "
             f"= {sum(got[cls]):5} B")
-    log(f"ZeRO-2: 1/{W} of DDP's gradients and state; ZeRO-3: 1/{W} of everything, V = {V} B")
-    log(f"during forward and backward ZeRO-3 held at most {peak} of {len(sizes)} buckets gathered (2, plus the "
-        f"tied weight's); ZeRO-2/3 at most {max(g for _, g in seen[ZeRO3])} B of full-size gradients (<= {two})")
+    log(f"ZeRO-2: 1/{W} of DDP's gradients and state; ZeRO-3: 1/{W} of everything, V = {V} B; a step keeps "
+        f"nothing it allocates (common.memory: 0 B live after it)")
+    log(f"peaks in forward and backward: ZeRO-3 gathered parameters {peak} B (tied bucket + two adjacent, of {V}); "
+        f"ZeRO-2/3 full-size gradients {two} B (two adjacent buckets)")
 
 
 def check_bf16(rank, W, device, base):
@@ -994,27 +1053,233 @@ def check_overlap(rank, W, device, base):
 
 def check_misuse(rank, device, base):
     head("7. Misuse raises one clear line")
-    errors = []
-
-    def expect(error, fn):
-        try:
-            fn()
-        except error as e:
-            errors.append(f"{type(e).__name__}: {e}")
-        else:
-            raise AssertionError(f"no {error.__name__}")
-    expect(ValueError, lambda: DDP(copy.deepcopy(base), 0))
-    expect(ValueError, lambda: ZeRO2(nn.Tanh(), BUCKET))
-    model = ZeRO3(copy.deepcopy(base), BUCKET)
-    expect(RuntimeError, model.step)
+    net = copy.deepcopy(base)
+    errors = [expect(ValueError, lambda: DDP(copy.deepcopy(base), 0)),
+              expect(ValueError, lambda: ZeRO2(nn.Tanh(), BUCKET)),
+              expect(ValueError, lambda: ZeRO2(net, BUCKET, param_groups=decay_groups(net)[:1])),
+              expect(ValueError, lambda: ZeRO2(net, BUCKET, param_groups=decay_groups(net) * 2))]
+    model = ZeRO3(net, BUCKET)
+    errors.append(expect(ValueError, lambda: DDP(net, BUCKET)))
+    errors.append(expect(RuntimeError, model.step))
     ids, tgt = rank_batch(0, rank, device)
     with model.no_sync():
         model.backward(F.cross_entropy(model(ids), tgt))
-    expect(RuntimeError, model.step)
+    errors.append(expect(RuntimeError, model.step))
     model.sync_gradients()
     model.step()  # now it may
+    errors.append(expect(RuntimeError, lambda: model.load_state_dict({"l1.weight": base.l1.weight})))
     for e in errors:
-        log(e)
+        log(e[:118])
+
+
+def decay_groups(module):
+    """nanoGPT's configure_optimizers: weight decay on matrices and embeddings, none (and another lr) on biases."""
+    return [{"params": [p for p in module.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in module.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 0.01}]
+
+
+def expect(error, fn):
+    """fn() raises `error` with a one-line message; returns it."""
+    try:
+        fn()
+    except error as e:
+        assert "\n" not in str(e), str(e)
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError(f"no {error.__name__}")
+
+
+def check_module(rank, W, device, base):
+    head("8. A wrapper as torch's: nn.Module, names, safe reads, state_dict, zero_grad, torch's clip_grad_norm_")
+    batches = [rank_batch(0, r, device) for r in range(W)]
+    ref = copy.deepcopy(base)
+    opt = ADAMW[0](ref.parameters(), **ADAMW[1])
+    F.cross_entropy(ref(torch.cat([i for i, _ in batches])), torch.cat([t for _, t in batches])).backward()
+    opt.step()
+    want = ref.state_dict()
+    for cls in CLASSES:
+        model = cls(copy.deepcopy(base), BUCKET, None, ADAMW[0], **ADAMW[1])
+        assert isinstance(model, nn.Module) and [n for n, _ in model.named_parameters()] == \
+            [n for n, _ in base.named_parameters()] and all(p is q for p, q in zip(model.parameters(), model.module.parameters()))
+        model.eval()
+        assert not model.module.l1.training
+        model.train()
+        assert model.module.l1.training
+        F.cross_entropy(model(batches[rank][0]), batches[rank][1]).backward()
+        if cls is not DDP:  # p.grad outside backward: ZeRO holds shards, so torch's clip would see nothing
+            clip = expect(RuntimeError, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        model.zero_grad()   # drops this backward's gradients: step() has nothing to step
+        expect(RuntimeError, model.step)
+        assert all(not b.main.any() for b in model.buckets) and model.module.l1.weight.grad is None
+        F.cross_entropy(model(batches[rank][0]), batches[rank][1]).backward()
+        model.step()
+        in_flight = sum(b.gather is not None for b in model.buckets)
+        assert in_flight == (len(model.buckets) if cls is ZeRO2 else 0), in_flight
+        if cls is ZeRO3:    # outside forward a parameter holds no values: one line, never freed storage
+            read = expect(RuntimeError, lambda: model.module.l1.weight.norm())
+            with model.gathered():
+                values = {n: p.clone() for n, p in model.module.named_parameters(remove_duplicate=False)}
+                with torch.no_grad():
+                    model.module.l1.bias.mul_(2)  # written inside gathered(): kept
+            assert torch.equal(model.full_parameters()["l1.bias"], 2 * values["l1.bias"])
+            with model.gathered(), torch.no_grad():
+                model.module.l1.bias.div_(2)
+        else:               # ZeRO-2: reading waits for that bucket's all-gather in flight
+            values = {n: p.clone() for n, p in model.module.named_parameters(remove_duplicate=False)}
+        state = model.state_dict()
+        assert list(state) == list(want)
+        for name, w in want.items():
+            torch.testing.assert_close(values[name], w, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(state[name], w, rtol=1e-10, atol=1e-12)
+    log("DDP, ZeRO2, ZeRO3 are nn.Modules: named_parameters() and state_dict() by the module's own names, "
+        "train()/eval() reach the module; zero_grad() drops gradients (step() then refuses)")
+    log("read right after step(): ZeRO-2 waits for its bucket's gather (all in flight) and gives the new value; "
+        "ZeRO-3 raises one line, `with model.gathered():` reads and writes; all == one process's AdamW step")
+    log(read[:118])
+    log("torch.nn.utils.clip_grad_norm_(model.parameters()) == one process on DDP (section 2); on ZeRO it raises:")
+    log(clip[:118])
+
+
+def run_steps(model, steps, rank, device):
+    for step in steps:
+        forward_backward(model, next(iter(MODES)), *rank_batch(step, rank, device))
+        model.step()
+
+
+def check_checkpoint(rank, W, device, base, where=None, phase=None):
+    """Train 2 steps, save; then in a fresh wrapper over a module with other values, load and train steps 3 and
+    4: bit-equal to the run that went on. CKPT=DIR CKPT_PHASE=save|load splits it over two launches."""
+    head(f"9. Checkpoint after step 2, resume in a new wrapper{' (new processes)' if phase == 'load' else ''}, "
+         f"== the run that went on")
+    subgroups = [tuple(range(parity, W, 2)) for parity in range(min(2, W))]
+    handles = [dist.new_group(list(g)) for g in subgroups]
+    temporary = where is None
+    if temporary:
+        box = [tempfile.mkdtemp(prefix="ckpt09-") if rank == 0 else None]
+        dist.broadcast_object_list(box)
+        where = box[0]
+    meta = os.path.join(where, "world.pt")
+    if phase == "load":
+        saved = torch.load(meta)
+        if saved != W:  # the model alone would load (state_dict is full); the optimizer shards would not
+            refuse(f"the checkpoint in {where} was saved at {saved} ranks, this run has {W}: ZeRO's optimizer "
+                   f"state is sharded per rank; resume at {saved} ranks")
+    elif rank == 0:
+        torch.save(W, meta)
+    mine = rank % 2
+    runs = [("world", None, tuple(range(W))), (f"sub{mine}", handles[mine], subgroups[mine])]
+    for cls in CLASSES:
+        for tag, group, ranks in runs:
+            stem = os.path.join(where, f"{cls.__name__}-{tag}")
+            make = lambda module: cls(module, BUCKET, group, ADAMW[0], param_groups=decay_groups(module), **ADAMW[1])
+            if phase != "load":
+                model = make(copy.deepcopy(base))
+                run_steps(model, range(2), rank, device)
+                state = model.state_dict()  # a collective under ZeRO-3: every rank of the group calls it
+                if dist.get_rank(group) == 0:
+                    torch.save(state, stem + ".model.pt")
+                torch.save(model.optimizer_state_dict(), f"{stem}.optim.{rank}.pt")  # each rank its own shard
+                dist.barrier()
+            if phase != "save":
+                went_on = make(copy.deepcopy(base))
+                run_steps(went_on, range(4), rank, device)
+                other = copy.deepcopy(base)
+                with torch.no_grad():
+                    for p in other.parameters():
+                        p.add_(1)
+                model = make(other)
+                model.load_state_dict(torch.load(stem + ".model.pt"))
+                model.load_optimizer_state_dict(torch.load(f"{stem}.optim.{rank}.pt"))
+                run_steps(model, range(2, 4), rank, device)
+                got, want = model.state_dict(), went_on.state_dict()
+                assert all(torch.equal(got[k], want[k]) for k in want), (cls.__name__, tag)
+    if phase != "save":  # the model's state_dict is full: it loads on a group of another size (here W -> W/2)
+        saved = torch.load(os.path.join(where, "ZeRO3-world.model.pt"))
+        model = ZeRO3(copy.deepcopy(base), BUCKET, handles[mine])
+        model.load_state_dict(saved)
+        assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+        wrong = dict(model.optimizer_state_dict(), layout=dict(model._layout(), world=2 * len(subgroups[mine])))
+        refused = expect(ValueError, lambda: model.load_optimizer_state_dict(wrong))
+    dist.barrier()
+    if temporary and rank == 0:
+        shutil.rmtree(where)
+    if phase == "save":
+        return log(f"saved after step 2 in {where}: the model's state_dict (group rank 0) and each rank's optimizer "
+                   f"shard, DDP, ZeRO-2, ZeRO-3, on the world and on {subgroups}")
+    log(f"DDP, ZeRO-2, ZeRO-3 on the world and on {subgroups}: state_dict() + optimizer_state_dict() per rank "
+        f"after step 2, loaded into a new wrapper, steps 3-4 bit-equal")
+    log(f"the model's state_dict loads at another world size ({W} -> {len(subgroups[mine])}); "
+        f"the optimizer's shards do not: {refused[:60]}...")
+
+
+class FusedLinear(nn.Linear):
+    """nn.Linear whose weight gradient goes straight into weight.main_grad (Megatron's gradient-accumulation
+    fusion), with the handshake that tells the data-parallel wrapper (09's docstring)."""
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias):
+            ctx.save_for_backward(x, weight)
+            return F.linear(x, weight, bias)
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, weight = ctx.saved_tensors
+            weight.main_grad.add_(grad.flatten(0, -2).t() @ x.flatten(0, -2))  # dW, read at backward time
+            weight.grad_added_to_main_grad = True  # the wrapper's hook adds nothing, drops the placeholder
+            # a placeholder for autograd (Megatron's is empty); NaN here, so a hook that added it would show
+            placeholder = torch.full(weight.shape, float("nan"), dtype=weight.dtype, device=weight.device)
+            return grad @ weight, placeholder, grad.flatten(0, -2).sum(0)
+
+    def forward(self, x):
+        return self.Function.apply(x, self.weight, self.bias)
+
+
+def check_handshake(rank, W, device):
+    head("10. A layer that writes dW into main_grad itself (Megatron's handshake) inside DDP, ZeRO-2, ZeRO-3")
+    torch.manual_seed(1)
+    base = nn.Sequential(FusedLinear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device, torch.float64)
+    x = torch.randn(4 * W, 6, dtype=torch.float64, device=device)
+    for cls in CLASSES:
+        model = cls(copy.deepcopy(base), 20, None, ADAMW[0], **ADAMW[1])
+        ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device, torch.float64)  # plain autograd
+        ref.load_state_dict(base.state_dict())
+        opt = ADAMW[0](ref.parameters(), **ADAMW[1])
+        for step in range(2):
+            opt.zero_grad()
+            ref(x).pow(2).mean().backward()
+            opt.step()
+            mine = x[4 * rank:4 * rank + 4]
+            with model.no_sync():  # micro-batch 1 of 2: dW adds up in main_grad
+                model(mine[:2]).pow(2).mean().div(2).backward()
+            model(mine[2:]).pow(2).mean().div(2).backward()
+            model.step()
+            for name, p in model.full_parameters().items():
+                torch.testing.assert_close(p, ref.get_parameter(name), rtol=1e-10, atol=1e-12)
+        assert model.module[0].weight.grad_added_to_main_grad is False
+    log("== one process's AdamW, 2 steps of 2 micro-batches (no_sync on the first): the hook took the gradient "
+        "from main_grad once, no double count")
+
+
+class OutsideHeadLM(nn.Module):
+    """An embedding and a layer; the output layer is F.linear(h, emb.weight) in this module's own forward,
+    outside the embedding module that owns the weight (as 10 writes its tied head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.l1 = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, ids):
+        return F.linear(torch.tanh(self.l1(self.emb(ids))), self.emb.weight)
+
+
+def check_outside(W, device):
+    head("11. ZeRO-3 with a parameter used outside its module: a tied head F.linear(h, emb.weight)")
+    torch.manual_seed(2)
+    base = OutsideHeadLM().to(device, torch.float64)
+    for cls in CLASSES:
+        train_and_compare(cls, ADAMW, None, tuple(range(W)), device, base, outside="emb.weight")
+    log(f"DDP, ZeRO-2, ZeRO-3 == one process, {STEPS} steps (every mode); ZeRO-3 gathers emb.weight's bucket for "
+        f"the head's use and again before its backward: one all-gather more per micro-batch, counted")
 
 
 class TorchDP:
@@ -1103,6 +1368,9 @@ def main():
     if os.environ.get("BENCH", "0") not in ("", "0"):
         return benchmark()
     rank, W, device = setup()
+    if os.environ.get("CKPT_PHASE"):  # CKPT=DIR CKPT_PHASE=save, then (new processes) CKPT_PHASE=load
+        check_checkpoint(rank, W, device, make_model(device), os.environ["CKPT"], os.environ["CKPT_PHASE"])
+        return finish(f"checkpoint {os.environ['CKPT_PHASE']} at {W} ranks")
     base = make_model(device)
     show_buckets(rank, W, device, base)
     check_exact(W, device, base)
@@ -1111,6 +1379,11 @@ def main():
     check_bf16(rank, W, device, base)
     check_overlap(rank, W, device, base)
     check_misuse(rank, device, base)
+    check_module(rank, W, device, base)
+    if W <= 2:  # (the suite checks it at 4 ranks across two launches: CKPT_PHASE)
+        check_checkpoint(rank, W, device, base)
+    check_handshake(rank, W, device)
+    check_outside(W, device)
     finish("DDP == ZeRO-2 == ZeRO-3 == one process (AdamW, SGD; no_sync, tied weights, sub-groups, bf16); "
            "2, 2 and 3 x (W-1)/W x V a step; ZeRO-2 holds 1/W of grads + state, ZeRO-3 of parameters too")
 
