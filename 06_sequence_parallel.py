@@ -14,11 +14,11 @@ input and output (fc1's input) are kept at 1/tp; but LN's weight and bias and fc
 rank: their gradients need one all-reduce over TP (NVIDIA/Megatron-LM#443). fc1's backward reduce-scatters grad_x
 async while dW goes into an fp32 `main_grad` (Megatron's gradient-accumulation fusion and DP handshake).
 
-Ulysses (Jacobs et al., 2023). An all-to-all turns q, k, v [b, s/P, h, d] into [b, s, h/P, d], attention runs on
+Ulysses (Jacobs et al., 2023). An all-to-all turns q, k, v [s/P, b, h, d] into [s, b, h/P, d], attention runs on
 h/P heads over the whole sequence, one more all-to-all brings the output back: forward sends 4(P-1)/P^2 * V, 2/P
 of Megatron SP's for the same layer, and P <= h.
-    R0 [s0 | h0 h1 h2 h3]  --all_to_all_4d(x, scatter_dim=2, gather_dim=1)-->  R0 [s0 s1 s2 s3 | h0]
-    R1 [s1 | h0 h1 h2 h3]  <--all_to_all_4d(x, scatter_dim=1, gather_dim=2)--  R1 [s0 s1 s2 s3 | h1]
+    R0 [s0 | h0 h1 h2 h3]  --all_to_all_4d(x, scatter_dim=2, gather_dim=0)-->  R0 [s0 s1 s2 s3 | h0]
+    R1 [s1 | h0 h1 h2 h3]  <--all_to_all_4d(x, scatter_dim=0, gather_dim=2)--  R1 [s0 s1 s2 s3 | h1]
 
 Ring attention (context parallelism: Liu et al. 2023; Megatron CP, torch's context_parallel). No head split, so
 no cap: K and V go round a ring of P ranks while each rank keeps its own queries. Under a causal mask a
@@ -310,19 +310,20 @@ def allreduce_sequence_parallel_grads(params, group=None):
 # ---- building blocks: Ulysses ---------------------------------------------------------------------------------
 def all_to_all_4d(x, scatter_dim: int, gather_dim: int, group=None):
     """forward: all-to-all that splits scatter_dim and concatenates gather_dim; backward: the swapped all-to-all.
-    [b, s/P, h, d] -> [b, s, h/P, d] with (scatter_dim=2, gather_dim=1); (1, 2) goes back."""
+    [s/P, b, h, d] -> [s, b, h/P, d] with (scatter_dim=2, gather_dim=0); (0, 2) goes back."""
     if x.dim() != 4 or scatter_dim == gather_dim or not {scatter_dim, gather_dim} <= {0, 1, 2, 3}:
-        raise ValueError(f"all_to_all_4d takes a [b, s, h, d] tensor and two different dims in 0..3, got shape "
+        raise ValueError(f"all_to_all_4d takes an [s, b, h, d] tensor and two different dims in 0..3, got shape "
                          f"{tuple(x.shape)}, scatter_dim={scatter_dim}, gather_dim={gather_dim}")
-    _divide(("batch", "sequence", "heads", "head_dim")[scatter_dim], x.size(scatter_dim), group)
+    _divide(("sequence", "batch", "heads", "head_dim")[scatter_dim], x.size(scatter_dim), group)
     return _AllToAll.apply(x, scatter_dim, gather_dim, group)
 
 
 def ulysses_attention(q, k, v, is_causal: bool = False, group=None):
-    """Attention over the whole sequence from [b, s/P, h, d] slices of q, k, v; returns the output's slice."""
-    q, k, v = (all_to_all_4d(t, 2, 1, group).transpose(1, 2) for t in (q, k, v))         # [b, h/P, s, d]
+    """Attention over the whole sequence from [s/P, b, h, d] slices of q, k, v (DeepSpeed-Ulysses' layout, s split
+    on dim 0 as in Megatron); returns the output's slice."""
+    q, k, v = (all_to_all_4d(t, 2, 0, group).permute(1, 2, 0, 3) for t in (q, k, v))    # [b, h/P, s, d]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)                     # [b, h/P, s, d]
-    return all_to_all_4d(out.transpose(1, 2), 1, 2, group)                                 # [b, s/P, h, d]
+    return all_to_all_4d(out.permute(2, 0, 1, 3), 0, 2, group)                             # [s/P, b, h, d]
 
 
 # ---- building blocks: context parallelism (zig-zag shards, ring attention) ------------------------------------
@@ -699,19 +700,19 @@ def handshake(inputs, g_out, group):
 
 def ulysses(groups, device):
     f64 = dict(dtype=torch.float64, device=device)
-    qkv, dout = [torch.randn(B, S, NH, D, **f64) for _ in range(3)], torch.randn(B, S, NH, D, **f64)
+    qkv, dout = [torch.randn(S, B, NH, D, **f64) for _ in range(3)], torch.randn(S, B, NH, D, **f64)
     V = S * B * NH * D * 8
     for group in groups:
         ranks, P, r = members(group), dist.get_world_size(group), dist.get_rank(group)
-        q = ints((B, S // P, NH, D), 30 + dist.get_rank(), device)          # sequence slice r, all heads
-        full = torch.cat([ints((B, S // P, NH, D), 30 + g, device) for g in ranks], dim=1)   # [b, s, h, d]
-        a2a = adjoint_checked(lambda t: all_to_all_4d(t, 2, 1, group), strided(q), group)
-        assert torch.equal(a2a, full.chunk(P, dim=2)[r]) and torch.equal(all_to_all_4d(strided(a2a), 1, 2, group), q)
-        mine = lambda t: t.chunk(P, dim=1)[r]                                # this rank's slice of the sequence
+        q = ints((S // P, B, NH, D), 30 + dist.get_rank(), device)          # sequence slice r, all heads
+        full = torch.cat([ints((S // P, B, NH, D), 30 + g, device) for g in ranks], dim=0)   # [s, b, h, d]
+        a2a = adjoint_checked(lambda t: all_to_all_4d(t, 2, 0, group), strided(q), group)
+        assert torch.equal(a2a, full.chunk(P, dim=2)[r]) and torch.equal(all_to_all_4d(strided(a2a), 0, 2, group), q)
+        mine = lambda t: t.chunk(P, dim=0)[r]                                # this rank's slice of the sequence
         for causal in (False, True):
             ref_in = [t.clone().requires_grad_() for t in qkv]
-            ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref_in), is_causal=causal)
-            ref = ref.transpose(1, 2)
+            ref = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in ref_in), is_causal=causal)
+            ref = ref.permute(2, 0, 1, 3)                                    # [s, b, h, d]
             my_in = [mine(t).clone().requires_grad_() for t in qkv]
             with traffic() as uly:
                 out = ulysses_attention(*my_in, is_causal=causal, group=group)
@@ -721,13 +722,13 @@ def ulysses(groups, device):
         assert dict(uly.counts) == ({"all_to_all": 4} if P > 1 else {})
         assert sent(uly, ranks) == 4 * (P - 1) * V // P ** 2
         if group is None:
-            log(f"all_to_all_4d: [b, s/P, h, d] {list(q.shape)} -> [b, s, h/P, d] {list(a2a.shape)} and back, exact;"
+            log(f"all_to_all_4d: [s/P, b, h, d] {list(q.shape)} -> [s, b, h/P, d] {list(a2a.shape)} and back, exact;"
                 " adjoint exact")
             log(f"attention, causal and not: output, dq, dk, dv == SDPA on the whole sequence; {NH // P} heads a rank")
             log(f"forward bytes per rank, V = b*s*h*d*bytes = {V} B: 4 all-to-alls send 4(P-1)/P^2*V = {sent(uly)} B,"
                 f" 2/P of Megatron SP's {2 * (P - 1) * V // P} B")
     W = dist.get_world_size()
-    for shape, dims, what in (((B, 2, RING_HEADS, D), (2, 1), "heads"), ((B, W + 1, NH, D), (1, 2), "sequence")):
+    for shape, dims, what in (((2, B, RING_HEADS, D), (2, 0), "heads"), ((W + 1, B, NH, D), (0, 2), "sequence")):
         try:                                    # 5 heads (ring attention's) on Ulysses; a sequence slice of W + 1
             all_to_all_4d(torch.zeros(shape, device=device), *dims)
             assert W == 1, f"{shape} accepted"
@@ -884,7 +885,7 @@ def main():
     mlp_traffic(every_run)
     head("overlap: grad_x's reduce-scatter travels while dW accumulates into main_grad")
     linear_overlap(groups, device)
-    head(f"Ulysses: q, k, v [b, s/P, h, d] all-to-all to [b, s, h/P, d], {NH} heads")
+    head(f"Ulysses: q, k, v [s/P, b, h, d] all-to-all to [s, b, h/P, d], {NH} heads")
     ulysses(groups, device)
     head(f"zig-zag shards of a sequence of {S} for ring attention")
     zigzag(groups, device)
