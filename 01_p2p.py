@@ -150,36 +150,13 @@ def batched_p2p_ops(*, send_prev=None, recv_prev=None, send_next=None, recv_next
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def completes(schedules):
-    """Play blocking sends and recvs where a send finishes only when its peer reaches the matching recv (gloo's
-    rule; NCCL's for large messages). schedules[r] = rank r's ops in order, (kind, peer, tag).
-    True when every rank finishes; False is a deadlock."""
-    pos, moved = [0] * len(schedules), True
-    while moved:
-        moved = False
-        for a, ops in enumerate(schedules):
-            if pos[a] < len(ops) and ops[pos[a]][0] == "send":
-                _, b, tag = ops[pos[a]]
-                if pos[b] < len(schedules[b]) and schedules[b][pos[b]] == ("recv", a, tag):
-                    pos[a], pos[b], moved = pos[a] + 1, pos[b] + 1, True
-    return all(p == len(ops) for p, ops in zip(pos, schedules))
-
-
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, log, setup, traffic
+    from common import finish, head, log, replays, setup, strided_groups, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
 F64 = torch.float64
-
-
-def strided_groups(W):
-    """Every rank makes the groups {0, 2, ..} and {1, 3, ..} (W=2: [0] and [1]), in the same order; returns this
-    rank's group and its global ranks. Its group rank is not its global rank, so a block that confuses them fails."""
-    ranks = [list(range(p, W, 2)) for p in range(min(W, 2))]
-    groups = [dist.new_group(r) for r in ranks]
-    return groups[dist.get_rank() % 2], ranks[dist.get_rank() % 2]
 
 
 def column_major(t):
@@ -254,10 +231,10 @@ def deadlock(rank, W, device):
     both = lambda n: [even_odd_order(r, n) for r in range(n)]
     both_naive = lambda n: [sorted(even_odd_order(r, n), key=lambda op: op[0] == "recv") for r in range(n)]
     for n in range(2, 9):
-        assert not completes(naive(n)) and not completes(both_naive(n)), n
-        assert completes(shift(n)) and completes(both(n)), n
+        assert not replays(naive(n)) and not replays(both_naive(n)), n
+        assert replays(shift(n)) and replays(both(n)), n
     # ranks 0 and 1 finish, rank 2 waits for a message nobody sends: still a hang
-    assert not completes([[("send", 1, TAG_RIGHT)], [("recv", 0, TAG_RIGHT)], [("recv", 0, TAG_LEFT)]])
+    assert not replays([[("send", 1, TAG_RIGHT)], [("recv", 0, TAG_RIGHT)], [("recv", 0, TAG_LEFT)]])
     log("ring shift, sends first on every rank: rank r waits for r+1's recv, which waits behind r+1's send...")
     log("   ... around the ring back to r: a cycle, deadlock at every W in 2..8 (played, not run)")
     log("even ranks send first, odd ranks receive first: completes at every W in 2..8, odd W included")
@@ -319,7 +296,7 @@ def posted_order(rank, W, device):
     assert [kind for kind, _, _ in posted] == [name for name, _, _ in t.calls]   # what really went out, in order
     schedules = [None] * W
     dist.all_gather_object(schedules, posted)
-    assert completes(schedules) and (W == 1 or not completes([sorted(s, key=lambda op: op[0] == "recv")
+    assert replays(schedules) and (W == 1 or not replays([sorted(s, key=lambda op: op[0] == "recv")
                                                                for s in schedules]))
     log("the order every rank posted, replayed as blocking sends, completes; all sends first would deadlock")
     try:
@@ -363,7 +340,7 @@ def variable_shapes(rank, W, device, group, members, H=8):
 
 def main():
     rank, W, device = setup()
-    group, members = strided_groups(W)
+    group, members = strided_groups(2)[rank % 2]   # {0, 2, ..} and {1, 3, ..}: group rank != global rank
     pipelines(device, W, group, members)
     deadlock(rank, W, device)
     ring_exchange(rank, W, device, group, members)

@@ -169,7 +169,7 @@ def reduce_binomial(x, dst=0, group=None):
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, log, log_all, setup, traffic
+    from common import finish, head, log, log_all, replays, setup, strided_groups, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -180,9 +180,9 @@ def cases(W):
     """(group, its global ranks, root) to run every block on, the same list on every rank: the world rooted at 0
     and at W-1; the strided groups {0, 2, ..} and {1, 3, ..} rooted at their last rank (group rank != global
     rank); from W = 4 the first W-1 ranks (not a power of two) rooted at W-2. Every rank makes every group."""
-    world, strided = list(range(W)), [list(range(p, W, 2)) for p in range(min(W, 2))]
+    world = list(range(W))
     out = [(None, world, 0)] + ([(None, world, W - 1)] if W > 1 else [])
-    out += [(dist.new_group(r), r, r[-1]) for r in strided]
+    out += [(group, r, r[-1]) for group, r in strided_groups(2)]
     out += [(dist.new_group(world[:-1]), world[:-1], W - 2)] if W >= 4 else []
     return out
 
@@ -319,8 +319,10 @@ def tree_plans():
             assert sends == recvs and sorted(b for _, b in sends) == [r for r in range(n) if r != root]
             assert len(plans[root]) == (n - 1).bit_length()  # ceil(log2 n)
             assert all(plans[me][0][0] == "recv" for me in range(n) if me != root)  # receive, then pass on
+            flip = {"send": "recv", "recv": "send"}            # reduce: each plan backwards, each arrow reversed
+            assert replays(plans) and replays([[(flip[k], p) for k, p in reversed(pl)] for pl in plans])
     log("tree played for 1..9 ranks, every root: each non-root receives once, before it sends; the root sends "
-        "ceil(log2 n) times")
+        "ceil(log2 n) times; broadcast's and reduce's orders replay to the end as blocking sends")
 
 
 def by_hand_section(rank, device, todo):

@@ -17,10 +17,13 @@ Every demo starts with `rank, world, device = setup()` and ends with `finish("wh
                    prints one line, all wait for each other (so none is killed before it spoke), exit code 2
     wait_all()     a barrier that, on gloo, names the ranks that never arrived (monitored_barrier)
     finish(what)   rank 0's last line, "[R0] all checks passed: ...", then teardown(): wait for all, destroy
-    log / head     rank 0 speaks; log_all prints one line from every rank, in rank order
+    log / head     rank 0 speaks; log_all prints one line from every rank of a group, in group-rank order
     overlap(...)   start a collective with async_op=True, compute while it travels, then wait
     time_overlap   this rank's seconds for comm alone, compute alone and both overlapped (syncs CUDA first)
     traffic()      `with traffic() as t:` counts this rank's collectives and P2P calls and the bytes handed to them
+    checking tools strided_groups(stride): sub-groups whose group rank is not the global rank;
+                   replays(schedules): whether posted P2P orders complete as blocking sends (or deadlock);
+                   ring_bytes(op, V, W): the bytes one rank sends for a V-byte collective, ring algorithm
 
 `python FILE` (no torchrun) relaunches FILE under torchrun's own entry point, standalone, with NPROC processes
 (default 4): the same as `torchrun --standalone --nproc-per-node=4 FILE`.
@@ -210,6 +213,40 @@ def time_overlap(start_comm, compute, device, iters: int = 5) -> dict:
     return {"comm": timed(lambda: start_comm().wait()),
             "compute": timed(compute),
             "overlapped": timed(lambda: overlap(start_comm, compute))}
+
+
+# ---- checking tools for the demos ----------------------------------------------------------------------------
+def strided_groups(stride: int = 2):
+    """[(group, its global ranks)] for {0, s, 2s, ..}, {1, s+1, ..}, ..., s = stride (W < s: one per rank); this
+    rank's is [rank % stride]. Every rank makes every group, in order (new_group is collective). From W > s a group
+    rank is not the global rank ({0, 2} and {1, 3} at W = 4), so a block that confuses the two fails."""
+    W = dist.get_world_size()
+    ranks = [list(range(p, W, stride)) for p in range(min(W, stride))]
+    return [(dist.new_group(r), r) for r in ranks]
+
+
+def replays(schedules) -> bool:
+    """Whether every rank's posted P2P order completes when each op blocks: a send finishes only once its peer has
+    reached the matching receive (gloo's send; NCCL's above its eager size). schedules[r] = rank r's ops in posted
+    order, ("send" | "recv", peer[, tag]); a send meets the peer's receive from this rank with the same tag.
+    False is a deadlock: the ranks wait on each other."""
+    pos, moved = [0] * len(schedules), True
+    while moved:
+        moved = False
+        for a, ops in enumerate(schedules):
+            if pos[a] < len(ops) and ops[pos[a]][0] == "send":
+                _, b, *tag = ops[pos[a]]
+                if pos[b] < len(schedules[b]) and tuple(schedules[b][pos[b]]) == ("recv", a, *tag):
+                    pos[a], pos[b], moved = pos[a] + 1, pos[b] + 1, True
+    return all(p == len(ops) for p, ops in zip(pos, schedules))
+
+
+def ring_bytes(op: str, V, W: int) -> float:
+    """Bytes one rank sends for a V-byte `op` over W ranks, by the ring algorithm: all_reduce 2(W-1)/W * V;
+    reduce_scatter, all_gather, all_to_all (W-1)/W * V (V: the reduce-scatter's input, the all-gather's output,
+    the all-to-all's input); broadcast V (the root's). ring_bytes(op, 1, W) is nccl-tests' bus bandwidth factor."""
+    return {"all_reduce": 2 * (W - 1) / W, "reduce_scatter": (W - 1) / W, "all_gather": (W - 1) / W,
+            "all_to_all": (W - 1) / W, "broadcast": 1}[op] * V
 
 
 # ---- TRACE=DIR: one Perfetto / chrome://tracing file of the whole run ----------------------------------------
