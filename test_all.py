@@ -730,5 +730,35 @@ def test_bad_trace_directory_is_one_line_on_every_rank(tmp_path, where):
     assert all(len(e.strip().splitlines()) == 1 and "TRACE=" in e for e in run_.errs), run_.report()
 
 
+# ---- 09: the wrapper kept (checkpoints, resume) ----
+def test_09_resumes_in_new_processes(tmp_path):
+    """09 with CKPT_PHASE=save trains DDP, ZeRO-2 and ZeRO-3 two steps on the world and on sub-groups at 4 ranks
+    and saves (the model's state_dict by group rank 0, every rank its optimizer shard); new processes with
+    CKPT_PHASE=load load it and train steps 3-4 bit-equal to the run that went on; 2 ranks are refused."""
+    ckpt = {"CKPT": str(tmp_path)}
+    check_passed(launch("09_ddp_zero2.py", 4, {**ckpt, "CKPT_PHASE": "save"}, real_exit=False))
+    saved = sorted(f.name for f in tmp_path.glob("*.pt"))
+    assert len(saved) == 1 + 3 * (1 + 4 + 2 * (1 + 2)), saved  # W; per wrapper: world and 2 sub-groups' files
+    run_ = launch("09_ddp_zero2.py", 4, {**ckpt, "CKPT_PHASE": "load"}, real_exit=False)
+    check_passed(run_)
+    assert "steps 3-4 bit-equal" in run_.outs[0], run_.report()
+    run_ = launch("09_ddp_zero2.py", 2, {**ckpt, "CKPT_PHASE": "load"}, real_exit=False)
+    assert run_.codes == [2, 2] and not run_.timed_out, run_.report()
+    assert all(len(e.strip().splitlines()) == 1 and "saved at 4 ranks, this run has 2" in e for e in run_.errs), \
+        run_.report()
+
+
+def test_09_readme_training_script_runs(tmp_path):
+    """README's "Using 09 in your training script" block, as it stands, at 2 ranks (it asserts the resume)."""
+    section = (HERE / "README.md").read_text().split("### Using 09 in your training script", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    probe = _script(tmp_path, code + textwrap.dedent("""
+        dist.destroy_process_group()
+        print("[R0] all checks passed: README's training script" if rank == 0 else "", end="")
+    """))
+    check_passed(launch(probe, 2, {"CKPT": str(tmp_path / "ckpt")}, real_exit=False))
+    assert (tmp_path / "ckpt" / "optim.1.pt").exists()
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
     _zygote()
