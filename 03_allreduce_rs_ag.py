@@ -200,7 +200,8 @@ import os
 import time
 
 try:
-    from common import finish, head, log, log_all, overlap, refuse, setup, sync, time_overlap, traffic
+    from common import (finish, head, log, log_all, overlap, refuse, replays, ring_bytes, setup, strided_groups,
+                        sync, time_overlap, traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -211,13 +212,6 @@ def torch_functional_collectives():
     return funcol if hasattr(funcol, "all_gather_single") else None
 
 
-def parity_groups(W):
-    """[None (the world), this rank's parity group]: the even ranks and the odd ranks, where a group rank is not
-    the global rank ({0, 2} and {1, 3} at W = 4). new_group is collective: every rank creates both, in order."""
-    parity = [dist.new_group(list(range(p, W, 2))) for p in range(min(W, 2))]
-    return [None, parity[dist.get_rank() % 2]]
-
-
 def members_of(group):
     members = dist.get_process_group_ranks(group or dist.group.WORLD)
     return members, len(members), dist.get_rank(group)
@@ -226,21 +220,6 @@ def members_of(group):
 def strided(t):
     """t's values as a non-contiguous view: stored transposed (2-d and up), or every other element (1-d)."""
     return t.mT.contiguous().mT if t.dim() > 1 else torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
-
-
-def completes(posts):
-    """Replay every rank's posts as blocking ops: a send finishes only once its peer has reached the matching
-    receive (gloo's send; NCCL's above its eager size). posts[r] = rank r's (kind, peer) in posted order.
-    True when every rank gets through; False is a deadlock."""
-    pos, moved = [0] * len(posts), True
-    while moved:
-        moved = False
-        for a, ops in enumerate(posts):
-            if pos[a] < len(ops) and ops[pos[a]][0] == "send":
-                b = ops[pos[a]][1]
-                if pos[b] < len(posts[b]) and posts[b][pos[b]] == ("recv", a):
-                    pos[a], pos[b], moved = pos[a] + 1, pos[b] + 1, True
-    return all(p == len(ops) for p, ops in zip(pos, posts))
 
 
 def check_collective(op, X, Y, dense, group, fwd=None, bwd=None, builtin=None, once=False):
@@ -304,15 +283,16 @@ def section_ring(rank, W, f64, groups):
             # last one it receives): each phase is (G-1)/G * V to within one element
             rs_b, ag_b = sum(sent[:G - 1]), sum(sent[G - 1:])
             assert len(sent) == 2 * (G - 1) and rs_b == (V - chunk[r]) * e and ag_b == (V - chunk[(r + 1) % G]) * e
-            assert all(abs(b - (G - 1) / G * V * e) < e for b in (rs_b, ag_b))
+            assert abs(rs_b - ring_bytes("reduce_scatter", V * e, G)) < e
+            assert abs(ag_b - ring_bytes("all_gather", V * e, G)) < e
             # the order this rank posted its sends (to r+1) and receives (from r-1), replayed as blocking ops
             posts = [None] * G
             dist.all_gather_object(posts, [kind for kind, _, _ in t.calls], group=group)
-            assert completes([[(k, (g + 1) % G if k == "send" else (g - 1) % G) for k in p]
-                              for g, p in enumerate(posts)]), f"the ring's post order deadlocks: {posts}"
+            assert replays([[(k, (g + 1) % G if k == "send" else (g - 1) % G) for k in p]
+                            for g, p in enumerate(posts)]), f"the ring's post order deadlocks: {posts}"
             if group is None and shape == (W, 3):
                 log(f"V = {V} x {e} B: sent {rs_b} B reduce-scatter + {ag_b} B all-gather = {rs_b + ag_b} B; "
-                    f"2(W-1)/W*V = {2 * (W - 1) / W * V * e:g} B; == dist.all_reduce")
+                    f"2(W-1)/W*V = {ring_bytes('all_reduce', V * e, W):g} B; == dist.all_reduce")
     log("also V % W != 0, V < W, and the even / odd ranks as sub-groups: == dist.all_reduce, 2(G-1)/G*V B")
     log("each rank's posts (even: send first, odd: receive first), replayed as blocking sends: no deadlock")
 
@@ -389,9 +369,9 @@ def section_overlap(rank, W, device):
 
 # ---- BENCH=1: an nccl-tests-style table (not run by the suite; each op's result is still checked) -----------
 def bench_ops(rank, W, device):
-    """name -> (busbw factor, make(n) -> (call, check)), for n float32 elements (a multiple of W). nccl-tests'
-    doc/PERFORMANCE.md: algbw = S / t, S the bytes of the op's largest buffer (the all-gather's output, the
-    reduce-scatter's input); busbw = algbw * factor, the bytes the busiest link carries per second in a ring."""
+    """name -> make(n) -> (call, check), for n float32 elements (a multiple of W). nccl-tests' doc/PERFORMANCE.md:
+    algbw = S / t, S the bytes of the op's largest buffer (the all-gather's output, the reduce-scatter's input);
+    busbw = algbw * ring_bytes(name, 1, W), the bytes the busiest link carries per second in a ring."""
     f32 = dict(dtype=torch.float32, device=device)
     W_sum = W * (W + 1) / 2                              # rank r contributes r + 1
 
@@ -417,9 +397,8 @@ def bench_ops(rank, W, device):
         x = torch.full((n,), float(rank), **f32)
         return lambda: dist.broadcast(x, src=0), lambda: bool((x == 0).all())
 
-    ring = (W - 1) / W
-    return {"all_reduce": (2 * ring, all_reduce), "all_gather": (ring, all_gather),
-            "reduce_scatter": (ring, reduce_scatter_), "all_to_all": (ring, all_to_all), "broadcast": (1, broadcast)}
+    return {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter_,
+            "all_to_all": all_to_all, "broadcast": broadcast}
 
 
 def slowest(seconds, device):
@@ -464,12 +443,12 @@ def bench(rank, W, device, sizes=tuple(8 << 2 * k for k in range(13)) + (256 << 
     for size in sizes:
         n = max(W, size // 4 // W * W)                  # elements: a multiple of W, as nccl-tests rounds
         row = []
-        for name, (factor, make) in ops.items():
+        for name, make in ops.items():
             call, check = make(n)
             call()
             assert check(), f"{name} of {n * 4} B: wrong result"
             t = timed(call, device)
-            row.append(f"{n * 4 / t / 1e9:6.2f}/{n * 4 / t / 1e9 * factor:<6.2f}")
+            row.append(f"{n * 4 / t / 1e9:6.2f}/{n * 4 / t / 1e9 * ring_bytes(name, 1, W):<6.2f}")
             ar_us = t * 1e6 if name == "all_reduce" else ar_us
             del call, check
         log(f"{n * 4:>10} {ar_us:>7.0f}us " + " ".join(row))
@@ -484,7 +463,8 @@ def main():
         finish(f"BENCH at {W} ranks: every op's result checked at every size (the speeds are measurements)")
         return
     f64 = dict(dtype=torch.float64, device=device)     # integer-valued float64: every sum below is exact
-    groups, funcol = parity_groups(W), torch_functional_collectives()
+    groups = [None, strided_groups(2)[rank % 2][0]]    # the world; {0, 2, ..} or {1, 3, ..}: group rank != rank
+    funcol = torch_functional_collectives()
     section_collectives(rank, W, f64)
     section_ring(rank, W, f64, groups)
     section_all_reduce(rank, W, f64, groups, funcol)

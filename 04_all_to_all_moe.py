@@ -191,19 +191,13 @@ class ExpertParallelMoE(nn.Module):
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, launched_world_size, log, log_all, refuse, setup, traffic
+    from common import (finish, head, launched_world_size, log, log_all, refuse, ring_bytes, setup, strided_groups,
+                        traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
 E, H, FFN, N = 8, 4, 8, 8        # experts, hidden size, expert hidden size, tokens per rank
 F64 = torch.float64
-
-
-def parity_groups(W):
-    """[None (the world), this rank's parity group]: the even ranks and the odd ranks, where a group rank is not
-    the global rank ({0, 2} and {1, 3} at W = 4). new_group is collective: every rank creates both, in order."""
-    parity = [dist.new_group(list(range(p, W, 2))) for p in range(min(W, 2))]
-    return [None, parity[dist.get_rank() % 2]]
 
 
 def members_of(group):
@@ -299,8 +293,11 @@ def moe_against_one_process(k, cf, group, device):
 def section_transpose(rank, W, device):
     head("1. all-to-all is a transpose: block j of rank i becomes block i of rank j")
     x = torch.tensor([10 * rank + j for j in range(W)], dtype=F64, device=device)  # rank i => [10i, 10i+1, ..]
-    y = all_to_all(x)
+    with traffic() as t:
+        y = all_to_all(x)
     assert torch.equal(y, torch.tensor([10 * i + rank for i in range(W)], dtype=F64, device=device))
+    assert t.bytes["all_to_all"] == (W > 1) * x.nbytes      # handed in: V; on the wire: the W-1 blocks for others
+    assert ring_bytes("all_to_all", x.nbytes, W) == x.nbytes - x[rank].nbytes
     log_all(f"holds {x.long().tolist()} -> after all-to-all {y.long().tolist()}")  # rank j => [j, 10+j, ..]
 
 
@@ -381,7 +378,7 @@ def main():
     if E % W:
         refuse(f"{E} experts cannot be spread evenly over {W} ranks; use a world size dividing {E} (1, 2, 4, 8)")
     rank, W, device = setup()
-    groups = parity_groups(W)
+    groups = [None, strided_groups(2)[rank % 2][0]]    # the world; {0, 2, ..} or {1, 3, ..}: group rank != rank
     section_transpose(rank, W, device)
     section_ragged(device, groups)
     section_round_trip(device, groups)
