@@ -1,10 +1,8 @@
 """04 - all-to-all, and the expert-parallel MoE layer built on it.
 
 Expert parallelism (GShard, Switch, Mixtral, DeepSeek-V3) spreads E experts over W ranks, E/W on each. A
-replicated router picks k experts for every token; the token travels to the ranks that hold its experts
-(dispatch) and the experts' outputs travel back (combine). Both trips are one all-to-all each: rank i cuts its
-buffer into W blocks and sends block j to rank j, so rank j's block i is what rank i sent. It is a transpose of
-the (sender, receiver) grid:
+replicated router picks k experts per token; the token travels to its experts' ranks (dispatch) and their
+outputs travel back (combine), one all-to-all each: rank i sends block j of its buffer to rank j, a transpose:
 
     before                          all_to_all                       after
     rank 0: [a0 a1 a2 a3]                                            rank 0: [a0 b0 c0 d0]
@@ -27,22 +25,18 @@ Two dispatch paths, one flag:
     ragged  all_to_all_single with input_split_sizes / output_split_sizes: exactly the kept rows, no padding
             (the split sizes must be on the host: `.tolist()`, a sync on GPUs, as in Megatron's dispatcher)
 
-Capacity rule. With capacity factor cf, C = ceil(cf * N * k / E). Each rank fills each expert's C slots in
-this order: every token's 1st choice in token order, then every token's 2nd choice in token order, ...; an
-assignment that finds its expert full is dropped and adds nothing to its token's output (the residual
-connection around the layer carries that token on). Without cf nothing is dropped, and the padded path pads to
-C = the largest count any rank sends any expert (one all-reduce MAX of one int64).
-
-Gradients: the router is replicated, so its gradient is summed over ranks (as data parallelism does); an
-expert lives on one rank and its gradient already covers every rank's tokens, through the all-to-all backward.
+Capacity rule: C = ceil(cf * N * k / E) for capacity factor cf. Each rank fills each expert's C slots with every
+token's 1st choice in token order, then every 2nd choice, ...; an assignment finding its expert full is dropped
+(the residual connection carries the token on). Without cf nothing is dropped; the padded path pads to the
+largest count any rank sends any expert (one all-reduce MAX of one int64). The replicated router's gradient is
+summed over ranks; an expert's gradient already covers every rank's tokens, through the all-to-all backward.
 
 Bytes each rank hands the collectives per forward (b bytes per element; the backward hands the same token
 rows again, not the counts; at W = 1 no all-to-all runs):
     bare all-to-all of V bytes     V, of which (W-1)/W * V leave the rank (block i of rank i stays)
     padded MoE                     8E + 2 * E*C*h*b        (+ 8 for the all-reduce MAX when C is not fixed)
     ragged MoE                     8E + (K_out + K_in)*h*b
-K_out: kept assignments this rank routes; K_in: kept assignments its experts serve; both <= E*C, so the
-ragged path never hands over more than the padded one.
+K_out, K_in: the kept assignments this rank routes, its experts serve; both <= E*C: ragged hands <= padded.
 
     torchrun --nproc-per-node=4 04_all_to_all_moe.py
 """
