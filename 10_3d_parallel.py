@@ -267,10 +267,24 @@ def step_traffic(c, stage):
     add("pp", "recv", pp, m * (2 - first - last), A // t)
     if first or last:
         add("embedding", "all_reduce", min(pp, 2), 1, c["vocab"] // t * c["hidden"] * c["eg"])
-    for numel in c["buckets"]:
+    for numel in c["buckets"]:                        # ZeRO-3 gathers each bucket for every F and every B instead
         add("dp", "reduce_scatter", c["dp"], 1, numel * c["eg"])
-        add("dp", "all_gather", c["dp"], 1, numel // c["dp"] * c["ep"])
+        add("dp", "all_gather", c["dp"], 2 * m if c.get("zero", 2) == 3 else 1, numel // c["dp"] * c["ep"])
     return out
+
+
+def step_memory(c, stage, zero, numel=None):
+    """{what: bytes one rank of pipeline stage `stage` holds at its peak} under ZeRO-1, 2 or 3 as 09 runs them,
+    the m micro-batches added up under no_sync. parameters: all, or 1/dp (ZeRO-3, between uses); gradients: the
+    whole stage's in the gradient dtype, added up over the micro-batches, plus the 1/dp shard the optimizer steps;
+    optimizer: AdamW's two moments on 1/dp in the gradient dtype, and an fp32 master copy where parameters are
+    narrower; activations: 1F1B keeps min(pp - stage, m) micro-batches in flight, c["act"] bytes a layer each."""
+    numel = stage_numel(c, stage) if numel is None else numel       # numel: padded to dp, as a bucket is
+    shard, dp, ep, eg = -(-numel // c["dp"]), c["dp"], c["ep"], c["eg"]
+    return {"parameters": (shard if zero == 3 else numel) * ep,
+            "gradients": numel * eg + shard * eg,
+            "optimizer": shard * (2 * eg + (4 if ep < 4 else 0)),
+            "activations": min(c["pp"] - stage, c["m"]) * (c.get("act_stage") or c["layers"] // c["pp"] * c["act"])}
 
 
 def stage_numel(c, stage):
@@ -282,7 +296,7 @@ def stage_numel(c, stage):
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, launched_world_size, log, refuse, setup, traffic
+    from common import finish, head, held_bytes, launched_world_size, log, refuse, setup, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -405,7 +419,7 @@ def train(grid, device, zero):
     opt = torch.optim.AdamW(gpt.parameters(), **HYPER)
     rows = slice(grid.d * M * MICRO, (grid.d + 1) * M * MICRO)      # this replica's share of the batch
     micro = lambda t: list(t[rows].split(MICRO))
-    counted = None
+    counted, held, kept = None, {}, []
     for step in range(STEPS):
         ids, targets = batch(step, grid.dp_size, device)
         opt.zero_grad()
@@ -417,16 +431,51 @@ def train(grid, device, zero):
             share = dict(zip(gpt.parameters(), torch.autograd.grad(share, list(gpt.parameters()))))
             check = lambda: check_grads(stage, gpt, share)
         opt.step()
-        with traffic() if step == 1 else contextlib.nullcontext() as t:
+        if step == 1:      # the gradients at their peak: all micro-batches added up, before the DP reduction
+            check = lambda: held.update(gradients=held_bytes([t for b in model.buckets for t in (b.grad, b.main)]))
+        with traffic() if step == 1 else saved_activations(stage, kept) if step == 2 else \
+                contextlib.nullcontext() as t:
             loss = train_step(stage, model, comm, micro(ids), micro(targets), check)
         counted = t if step == 1 else counted
         check_loss(loss, ref_loss, grid)
     log(f"loss of each of the {STEPS} steps == one process's on the whole batch (mean over DP on the last stage)")
+    state = [t for st in model.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
+    held.update(parameters=held_bytes([t for b in model.buckets for t in (b.flat, b.local)]),
+                optimizer=held_bytes(state + [b.opt for b in model.buckets if b.opt is not b.local]),
+                activations=max(kept), first=kept[0])   # (ZeRO-2's all-gather may still be in flight: bytes alike)
     params = model.full_parameters()                                  # waits for ZeRO-2's last all-gather
     for name, want in stage.shards_of(gpt).items():
         torch.testing.assert_close(params[name], want, rtol=1e-10, atol=1e-12, msg=lambda s: f"{name}: {s}")
     log(f"after {STEPS} steps every parameter shard on every rank == its slice of the one-process GPT")
-    return counted, stage
+    return counted, stage, model, held
+
+
+@contextlib.contextmanager
+def saved_activations(stage, readings):
+    """Inside: after every forward of `stage`, append the bytes of the tensors autograd keeps for backward that
+    are still alive (parameters left out): the activations of the micro-batches in flight, measured."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    params = {p.untyped_storage()._cdata for p in stage.parameters()}
+    refs = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params and s.device.type != "meta":
+            refs.setdefault(s._cdata, StorageWeakRef(s))
+        return t
+
+    def live(*_):
+        for key, ref in list(refs.items()):
+            if ref.expired():
+                del refs[key]
+        readings.append(sum(torch.UntypedStorage._new_with_weak_ptr(k).nbytes() for k in refs))
+
+    hook = stage.register_forward_hook(live)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        hook.remove()
 
 
 def check_grads(stage, gpt, share):
@@ -435,7 +484,7 @@ def check_grads(stage, gpt, share):
     assert sorted(want) == sorted(grads), (sorted(want), sorted(grads))
     for name, w in want.items():
         torch.testing.assert_close(grads[name], w, rtol=1e-9, atol=1e-13, msg=lambda s: f"grad {name}: {s}")
-    log("step 1, before ZeRO-2: every gradient shard == one process's on this replica's micro-batches")
+    log("step 1, before the DP reduction: every gradient shard == one process's on this replica's micro-batches")
 
 
 def check_loss(loss, ref_loss, grid):
@@ -465,16 +514,16 @@ def tally(calls, grid):
     return out
 
 
-def toy_config(grid):
+def toy_config(grid, zero=2):
     c = dict(hidden=HIDDEN, ffn=FFN, layers=LAYERS, seq=SEQ, vocab=VOCAB, micro=MICRO, m=M, dp=grid.dp_size,
-             pp=grid.pp_size, tp=grid.tp_size, e=8, eg=8, ep=8, sp_embedding=SP_EMBEDDING)
+             pp=grid.pp_size, tp=grid.tp_size, e=8, eg=8, ep=8, sp_embedding=SP_EMBEDDING, zero=zero)
     c["buckets"] = [-(-stage_numel(c, grid.p) // grid.dp_size) * grid.dp_size]  # one bucket, padded to dp
     return c
 
 
-def count_traffic(counted, grid):
+def count_traffic(counted, grid, zero):
     head("one step's collectives, counted per group, against the docstring's closed forms")
-    got, want = tally(counted.calls, grid), step_traffic(toy_config(grid), grid.p)
+    got, want = tally(counted.calls, grid), step_traffic(toy_config(grid, zero), grid.p)
     assert got == want, (dist.get_rank(), sorted(got.items()), sorted(want.items()))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, got)
@@ -487,6 +536,32 @@ def count_traffic(counted, grid):
         log(f"{key[0]:10} {key[1]:15} " + " ".join(f"{n:>15} {int(b):>11}" for n, b in cells))
     log(f"every rank: its calls and bytes per (group, collective) == the closed forms (A = {MICRO}x{SEQ}x{HIDDEN}x8 "
         f"bytes, m = {M}, {LAYERS // grid.pp_size} layers a stage)")
+
+
+def count_memory(held, model, grid, zero):
+    head(f"bytes each rank holds at its peak (ZeRO-{zero}, float64), measured against the closed forms")
+    c = toy_config(grid, zero)
+    [numel] = [b.numel for b in model.buckets]                        # one bucket: the stage, padded to dp
+    k = min(grid.pp_size - grid.p, M)                                 # 1F1B: micro-batches in flight on stage p
+    c["act_stage"] = held["first"]                                    # one micro-batch's on this stage, measured
+    want = step_memory(c, grid.p, zero, numel)
+    # 08's runner keeps the output of the micro-batch it last backpropagated until the next forward ends, and
+    # through its graph that micro-batch's received input (a leaf): one [s/tp, b, h] message more, stages > 0
+    want["activations"] += 0 if grid.is_first else SEQ // grid.tp_size * MICRO * HIDDEN * 8
+    got = {key: held[key] for key in want}
+    assert held["first"] > 0 and got == want, (dist.get_rank(), got, want)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (grid.p, k, held["first"], got))
+    rows = {}
+    for p, k_, first, g in everyone:                                  # TP rank 0 of replica 0 speaks for a stage
+        rows.setdefault(p, (k_, first, g))
+    log(f"{'stage':>5} {'parameters':>11} {'gradients':>10} {'optimizer':>10} {'activations':>12}  = in flight x one"
+        f" + 08's last input")
+    for p, (k_, first, g) in sorted(rows.items()):
+        log(f"{p:>5} {g['parameters']:>11} {g['gradients']:>10} {g['optimizer']:>10} {g['activations']:>12}  "
+            f"= {k_} x {first} + {g['activations'] - k_ * first}")
+    log(f"every rank == the closed forms: parameters {'1/dp of ' if zero == 3 else ''}the stage's, gradients "
+        f"the stage's + 1/dp, AdamW 2/dp; 1F1B keeps min(pp - stage, m) micro-batches' saved activations")
 
 
 def scale(overrides):
@@ -527,10 +602,11 @@ def main():
     rank, world, device = setup()
     grid = Grid(*shape)
     show_grid(grid, world)
-    counted, stage = train(grid, device, zero)
-    count_traffic(counted, grid)
+    counted, stage, model, held = train(grid, device, zero)
+    count_traffic(counted, grid, zero)
+    count_memory(held, model, grid, zero)
     scale(overrides)
-    finish(f"a GPT on dp {grid.dp_size} x pp {grid.pp_size} x tp {grid.tp_size} (SP, vocab-parallel, 1F1B, ZeRO-2) "
+    finish(f"a GPT on dp {grid.dp_size} x pp {grid.pp_size} x tp {grid.tp_size} (SP, vocab-parallel, 1F1B, ZeRO-{zero}) "
            f"== one process over {STEPS} steps; every group's bytes == the closed forms")
 
 
