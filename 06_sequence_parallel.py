@@ -743,16 +743,18 @@ def linear_overlap(groups, device):
     log("bf16 W: main_grad is fp32, W.grad stays None; gradient_accumulation_fusion=False: dW in W.grad == autograd")
     log("handshake with a data-parallel wrapper (a bucket's main_grad, grad_added_to_main_grad): its hook fires "
         "once a backward, sees the flag set and drops the placeholder; main_grad == 2 micro-batches' dW")
-    grad_x = torch.randn(48, 4, 64, device=device)                          # timing: grad_x [s, b, h] fp32
-    g2, t2, dw = (torch.randn(*shape, device=device) for shape in ((256, 256 // 4), (256, 64), (256 // 4, 64)))
+    grad_x = torch.randn(256, 4, 256, device=device)                        # timing: grad_x [s, b, h] fp32
+    g2, t2, dw = (torch.randn(*shape, device=device) for shape in ((1024, 128), (1024, 256), (128, 256)))
     t = time_overlap(lambda: Posted(_reduce_scatter_along_dim(grad_x, 0, None, async_op=True)[1]),
                      lambda: dw.addmm_(g2.t(), t2), device, iters=2)      # dW [f/tp, h] += grad.T @ total
-    serial, cores = t["comm"] + t["compute"], len(os.sched_getaffinity(0))
+    hidden, most = t["comm"] + t["compute"] - t["overlapped"], min(t["comm"], t["compute"])
     log(f"reduce-scatter {t['comm'] * 1e3:.2f} ms + dW {t['compute'] * 1e3:.2f} ms one after the other, "
-        f"{t['overlapped'] * 1e3:.2f} ms overlapped: {serial / t['overlapped']:.2f}x (printed, not asserted)")
-    log(f"here gloo moves the bytes with CPU threads on {cores} core(s) shared by {dist.get_world_size()} ranks: "
-        "overlap saves time only where a core is idle; on GPUs with NCCL (CUDA_DEVICE_MAX_CONNECTIONS=1, as "
-        "Megatron sets, so the collective is queued before dW) the reduce-scatter travels beside the matmul")
+        f"{t['overlapped'] * 1e3:.2f} ms overlapped: {hidden * 1e3:+.2f} ms hidden, of at most {most * 1e3:.2f} "
+        + ("(beyond that: this shared machine's timing noise)" if abs(hidden) > most else "(printed, not asserted)"))
+    log(f"why: {dist.get_world_size()} ranks share {len(os.sched_getaffinity(0))} CPU core(s) here, and gloo's "
+        "reduce-scatter runs on CPU threads that compete with dW's matmul: with no core idle, overlap cannot save "
+        "time. On GPUs NCCL runs it on its own stream beside dW (Megatron sets CUDA_DEVICE_MAX_CONNECTIONS=1 so "
+        "that it is queued first) and hides up to the smaller of the two")
 
 
 def handshake(inputs, g_out, group):
