@@ -7,10 +7,11 @@ shard only, steps that shard, and all-gathers the updated parameters. ZeRO-3 (De
 also stores only its shard of the parameters: a bucket is gathered just before the modules that use it, freed
 after their forward, gathered again for their backward and freed after it.
 
-All three communicate in buckets, as production systems do: the parameters, in the order backward produces
-their gradients, packed into flat buffers padded to a multiple of W. A hook per parameter adds its gradient into
-`param.main_grad`, a view of the bucket's gradient buffer; when a bucket's last gradient arrives its collective
-starts (async) while backward computes the rest.
+All three communicate in buckets: the parameters, in the order backward produces their gradients, packed into
+flat buffers padded to a multiple of W (one parameter group per bucket). A hook per parameter adds its gradient
+into `p.main_grad`, its view of the bucket's gradient buffer; when a bucket's last gradient arrives its
+collective starts (async) while backward computes the rest. Each wrapper is an nn.Module over yours, with
+torch's state_dict (full, by your names) and a per-rank optimizer state (README: Using 09 in your training script).
 
   one bucket, W=2: | a0 a1 a2 | b0 b1 pad |   rank 0 owns elements 0..2, rank 1 owns 3..5 (padding included)
                 DDP                    ZeRO-2                             ZeRO-3
@@ -21,13 +22,13 @@ starts (async) while backward computes the rest.
   optimizer     state of all 6,        state of its 3, steps its 3, then  state of its 3, steps its 3
                 steps all 6            all-gathers the 6 new parameters
 
-Bytes held per rank, P parameters of B bytes each (fp32 or wider), AdamW (two moments):
-  DDP      parameters P*B + gradients P*B + state 2P*B
+Bytes held per rank, P parameters of B bytes each, AdamW (two moments), gradients of G = max(B, 4) bytes:
+  DDP      parameters P*B + gradients P*G + state 2P*G
   ZeRO-2   parameters P*B + (gradients + state) / W, and during backward the full gradient of two buckets at most
   ZeRO-3   (parameters + gradients + state) / W, the same two gradient buckets, and the gathered parameters of
-           two buckets at most (a weight tied between two modules keeps its bucket gathered from first use to last)
-bf16 parameters (B=2) add an fp32 master copy to the state and keep gradients in fp32; fp32 ones are stepped in
-place.
+           two buckets at most, plus a tied weight's bucket from its first use in forward to its last
+bf16 parameters (B=2) add an fp32 master copy (4P/W) and keep gradients in fp32 (G=4): the ZeRO paper's 16P
+counts 2-byte gradients, 09 keeps 4-byte ones (as Megatron's fp32 main_grad); fp32 ones are stepped in place.
 Bytes each rank sends per step (ring algorithms; V = bytes of the padded buffers; bf16 gathers move half):
   DDP      all-reduce                                      2(W-1)/W * V
   ZeRO-2   reduce-scatter + all-gather                     2(W-1)/W * V, the same
@@ -730,6 +731,7 @@ def rank_batch(step, r, device):
     return ids.to(device)[:, 0], torch.randint(VOCAB, (ROWS,), generator=g).to(device)
 
 
+# -- checking code, a reader may skip it: closed forms, the reference run, byte and hook instruments ------
 def wire_times_w(calls):
     """W x bytes this rank put on the wire (ring): AR 2(W-1)/W n, RS (W-1)/W n, AG (W-1) n, n = bytes handed in."""
     per = {"all_reduce": lambda w: 2 * (w - 1), "reduce_scatter": lambda w: w - 1, "all_gather": lambda w: w * (w - 1)}
@@ -1099,7 +1101,8 @@ def check_module(rank, W, device, base):
     for cls in CLASSES:
         model = cls(copy.deepcopy(base), BUCKET, None, ADAMW[0], **ADAMW[1])
         assert isinstance(model, nn.Module) and [n for n, _ in model.named_parameters()] == \
-            [n for n, _ in base.named_parameters()] and all(p is q for p, q in zip(model.parameters(), model.module.parameters()))
+            [n for n, _ in base.named_parameters()]
+        assert all(p is q for p, q in zip(model.parameters(), model.module.parameters()))
         model.eval()
         assert not model.module.l1.training
         model.train()
@@ -1282,6 +1285,7 @@ def check_outside(W, device):
         f"the head's use and again before its backward: one all-gather more per micro-batch, counted")
 
 
+# -- BENCH=1 only: ours beside PyTorch's, timed (a reader may skip it) ------------------------------------------
 class TorchDP:
     """BENCH: PyTorch's DDP, DDP + ZeroRedundancyOptimizer or FSDP2 (fully_shard per layer) behind our interface."""
 
