@@ -268,9 +268,10 @@ class LinearWithSequenceParallel(torch.autograd.Function):
         if not ctx.fusion:
             grad_weight = grad.t().matmul(total)
         else:
-            if getattr(param, "main_grad", None) is None:
-                param.main_grad = torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
-            param.main_grad.addmm_(grad.t().to(param.main_grad.dtype), total.to(param.main_grad.dtype))
+            main = getattr(param, "main_grad", None)            # a wrapper's view of its bucket: read once
+            if main is None:
+                main = param.main_grad = torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
+            main.addmm_(grad.t().to(main.dtype), total.to(main.dtype))
             if hasattr(param, "grad_added_to_main_grad"):   # a data-parallel wrapper waits for W's grad hook
                 param.grad_added_to_main_grad = True
                 grad_weight = torch.empty_like(param)       # the placeholder it drops
