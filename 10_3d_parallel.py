@@ -399,13 +399,29 @@ def show_grid(grid, world):
     want = {8: {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
                 "dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "embedding": [[0, 2], [1, 3], [4, 6], [5, 7]]},
             4: {"tp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]], "dp": [[0], [1], [2], [3]],
-                "embedding": [[0, 2], [1, 3]]}}                          # the default grids, written out
-    if world in want and (grid.dp_size, grid.pp_size, grid.tp_size) in ((2, 2, 2), (1, 2, 2)):
-        assert grid.ranks == want[world], grid.ranks
-    mine = [dist.get_process_group_ranks(g) for g in (grid.tp, grid.pp, grid.dp, grid.embedding) if g is not None]
-    assert all(dist.get_rank() in ranks for ranks in mine) and mine[0][grid.t] == dist.get_rank()
-    assert len(mine) == 4 - (0 < grid.p < grid.pp_size - 1), mine
-    log("every rank is in one group of each kind (the embedding group: first and last stages only)")
+                "embedding": [[0, 2], [1, 3]]},                          # the default grids, written out
+            (1, 4, 2): {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "pp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+                        "dp": [[r] for r in range(8)], "embedding": [[0, 6], [1, 7]]},    # middle stages 1, 2
+            (1, 4, 1): {"tp": [[0], [1], [2], [3]], "pp": [[0, 1, 2, 3]], "dp": [[0], [1], [2], [3]],
+                        "embedding": [[0, 3]]}}
+    shape = (grid.dp_size, grid.pp_size, grid.tp_size)
+    if shape in want or (world in want and shape in ((2, 2, 2), (1, 2, 2))):
+        assert grid.ranks == want.get(shape, want.get(world)), grid.ranks
+    rank, coords = dist.get_rank(), lambda r: (r // (grid.pp_size * grid.tp_size), r // grid.tp_size % grid.pp_size,
+                                               r % grid.tp_size)   # (d, p, t) of a global rank, by arithmetic
+    mine = {kind: dist.get_process_group_ranks(getattr(grid, kind)) for kind in grid.ranks
+            if getattr(grid, kind) is not None}
+    assert all(rank in ranks for ranks in mine.values()) and mine["tp"][grid.t] == rank
+    for kind, varies in (("tp", 2), ("pp", 1), ("dp", 0)):           # a group varies one coordinate, in order
+        assert [coords(r)[varies] for r in mine[kind]] == list(range(len(mine[kind]))), (kind, mine[kind])
+        assert all(coords(r)[:varies] + coords(r)[varies + 1:] == coords(rank)[:varies] + coords(rank)[varies + 1:]
+                   for r in mine[kind]), (kind, mine[kind])
+    ends = sorted({0, grid.pp_size - 1})                               # the stages that hold the tied weight
+    assert ("embedding" in mine) == (grid.p in ends), (grid.p, mine)  # a middle stage is in no embedding group
+    if "embedding" in mine:
+        assert [coords(r) for r in mine["embedding"]] == [(grid.d, p, grid.t) for p in ends], mine["embedding"]
+    log("every rank is in one group of each kind, each varying one coordinate; the embedding group: its pipeline's"
+        " first and last stage, none on a middle stage")
 
 
 def train(grid, device, zero):
@@ -525,17 +541,20 @@ def count_traffic(counted, grid, zero):
     head("one step's collectives, counted per group, against the docstring's closed forms")
     got, want = tally(counted.calls, grid), step_traffic(toy_config(grid, zero), grid.p)
     assert got == want, (dist.get_rank(), sorted(got.items()), sorted(want.items()))
+    middle = 0 < grid.p < grid.pp_size - 1                            # no tied weight: no embedding all-reduce,
+    assert not middle or not any(kind not in ("tp", "pp", "dp") for kind, _ in got), got  # nor any other group
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, got)
-    last = grid.ranks["pp"][0][-1]                                    # replica 0's last stage, TP rank 0
-    rows = sorted(set(everyone[0]) | set(everyone[last]))
-    log(f"{'group':10} {'collective':15} {'stage 0: calls':>15} {'bytes sent':>11} "
-        f"{f'stage {grid.pp_size - 1}: calls':>15} {'bytes sent':>11}")
+    pipe = grid.ranks["pp"][0]                                        # replica 0's stages, TP rank 0
+    shown = sorted({0, min(1, grid.pp_size - 1), grid.pp_size - 1})  # first, a middle one, last
+    rows = sorted(set().union(*(everyone[pipe[s]] for s in shown)))
+    log(f"{'group':10} {'collective':15} " + " ".join(f"{f'stage {s}: calls':>15} {'bytes sent':>11}" for s in shown))
     for key in rows:
-        cells = [everyone[r].get(key, (0, 0)) for r in (0, last)]
+        cells = [everyone[pipe[s]].get(key, (0, 0)) for s in shown]
         log(f"{key[0]:10} {key[1]:15} " + " ".join(f"{n:>15} {int(b):>11}" for n, b in cells))
-    log(f"every rank: its calls and bytes per (group, collective) == the closed forms (A = {MICRO}x{SEQ}x{HIDDEN}x8 "
-        f"bytes, m = {M}, {LAYERS // grid.pp_size} layers a stage)")
+    log(f"every rank: its calls and bytes per (group, collective) == the closed forms (A = {SEQ}x{MICRO}x{HIDDEN}x8 "
+        f"bytes, m = {M}, {LAYERS // grid.pp_size} layers a stage)"
+        + ("; middle stages: no tied-weight all-reduce" if grid.pp_size > 2 else ""))
 
 
 def count_memory(held, model, grid, zero):
@@ -564,9 +583,10 @@ def count_memory(held, model, grid, zero):
         f"the stage's + 1/dp, AdamW 2/dp; 1F1B keeps min(pp - stage, m) micro-batches' saved activations")
 
 
-def scale(overrides):
-    """The closed forms asserted above, for a real model: bytes each rank sends per step, and the seconds."""
-    c = {**SCALE, **overrides}
+def scale(overrides, zero):
+    """The closed forms asserted above, for a real model: bytes each rank sends per step and the seconds, and the
+    bytes each rank holds under ZeRO-1, 2 and 3."""
+    c = {**SCALE, **overrides, "zero": zero}
     head(f"the same forms at scale: hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, vocab {c['vocab']}, "
          f"{c['m']} micro-batches of {c['micro']}, dp {c['dp']} x pp {c['pp']} x tp {c['tp']}")
     log(f"activations {c['e']} bytes an element, gradients {c['eg']}, parameters {c['ep']}; TP on NVLink "
@@ -584,12 +604,25 @@ def scale(overrides):
             by_group[kind] = (calls + n, b + sent)
         per_stage.append(by_group)
         log(f"stage {stage}: {numel / 1e6:,.1f} million parameters a rank, {numel * c['ep'] / 1e9:.2f} GB")
-    log(f"{'group':10} " + " ".join(f"{f'stage {s}: calls':>15} {'GB sent':>8} {'seconds':>8}" for s in stages))
+    log(f"{f'ZeRO-{zero}':10} " + " ".join(f"{f'stage {s}: calls':>15} {'GB sent':>8} {'seconds':>8}" for s in stages))
     for kind in sorted(set().union(*per_stage)):
         cells = [by_group.get(kind, (0, 0)) for by_group in per_stage]
         log(f"{kind:10} " + " ".join(f"{n:>15} {float(b) / 1e9:>8.2f} {float(b) / 1e9 / link[kind]:>8.3f}"
                                      for n, b in cells))
     log("seconds if nothing overlaps; TP sits on the critical path of every layer, DP can hide behind backward")
+    act = 34 * c["seq"] * c["micro"] * c["hidden"] // c["tp"] * c["e"] // 2   # Korthikanti et al. 2022, with SP
+    log(f"GB a rank holds at its peak; activations 34*s*b*h/tp*e/2 = {act / 1e6:.0f} MB a layer and micro-batch "
+        f"(SP, no s^2 scores: flash attention), min(pp - stage, m) micro-batches in flight")
+    log(f"{'':10} " + " ".join(f"{f'stage {s}: params':>15} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6}"
+                               for s in stages))
+    for z in (1, 2, 3):
+        cells = [step_memory({**c, "act": act}, s, z) for s in stages]
+        log(f"{f'ZeRO-{z}':10} " + " ".join(f"{d['parameters'] / 1e9:>15.1f} {d['gradients'] / 1e9:>6.1f} "
+                                             f"{d['optimizer'] / 1e9:>6.1f} {d['activations'] / 1e9:>6.1f} "
+                                             f"{sum(d.values()) / 1e9:>6.1f}" for d in cells))
+    log(f"ZeRO-2 and 3 keep the whole gradient while the {c['m']} micro-batches add up (no_sync); reduce-scattering "
+        f"each micro-batch keeps 1/dp + a bucket for {c['m']} x the reduce-scatter bytes (DeepSpeed's pipeline "
+        f"refuses ZeRO-2/3; Megatron's distributed optimizer is ZeRO-1 with a full fp32 gradient buffer)")
 
 
 def main():
@@ -605,7 +638,7 @@ def main():
     counted, stage, model, held = train(grid, device, zero)
     count_traffic(counted, grid, zero)
     count_memory(held, model, grid, zero)
-    scale(overrides)
+    scale(overrides, zero)
     finish(f"a GPT on dp {grid.dp_size} x pp {grid.pp_size} x tp {grid.tp_size} (SP, vocab-parallel, 1F1B, ZeRO-{zero}) "
            f"== one process over {STEPS} steps; every group's bytes == the closed forms")
 
