@@ -464,8 +464,8 @@ class _RingAttention(torch.autograd.Function):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         block, _ = _block_kernels(q, fused)
         scale, acc = q.shape[-1] ** -0.5, torch.promote_types(q.dtype, torch.float32)
-        qt = q.transpose(1, 2)                                               # [b, h, n, d], n = s/P
-        kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)])            # [2, b, h, n, d]: what travels
+        qt = q.permute(1, 2, 0, 3)                                           # [b, h, n, d], n = s/P
+        kv = torch.stack([k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)])    # [2, b, h, n, d]: what travels
         for step in range(size):
             if step < size - 1:
                 kv_next, works = _ring_exchange(kv, group)                   # the next K, V, while we compute
@@ -482,7 +482,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)                                                # [b, h, n, d]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal, ctx.group, ctx.fused = is_causal, group, fused
-        return out.transpose(1, 2)                                           # [b, s/P, h, d]
+        return out.permute(2, 0, 1, 3)                                       # [s/P, b, h, d]
 
     @staticmethod
     def backward(ctx, dout):
@@ -496,9 +496,9 @@ class _RingAttention(torch.autograd.Function):
         group, size, rank = ctx.group, dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         _, block_backward = _block_kernels(q, ctx.fused)
         scale, acc = q.shape[-1] ** -0.5, torch.promote_types(q.dtype, torch.float32)
-        qt, dout = q.transpose(1, 2), dout.transpose(1, 2).to(q.dtype)      # [b, h, n, d]
+        qt, dout = q.permute(1, 2, 0, 3), dout.permute(1, 2, 0, 3).to(q.dtype)   # [b, h, n, d]
         dq = torch.zeros(qt.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)])
+        kv = torch.stack([k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)])
         dkv_works = []
         for step in range(size):
             if step < size - 1:
@@ -520,25 +520,29 @@ class _RingAttention(torch.autograd.Function):
                 _wait(kv_works)
                 kv, kv_next, kv_works = kv_next, None, None
         _wait(dkv_works)
-        dk, dv = (t.transpose(1, 2).to(k.dtype) for t in dkv_recv)            # this rank's own dk, dv
-        return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None
+        dk, dv = (t.permute(2, 0, 1, 3).to(k.dtype) for t in dkv_recv)        # this rank's own dk, dv
+        return dq.permute(2, 0, 1, 3).to(q.dtype), dk, dv, None, None, None
 
 
 def ring_attention(q, k, v, is_causal: bool = False, group=None, *, fused: bool = True):
-    """Attention over the whole sequence from this rank's zig-zag slices [b, s/P, h, d] of q, k, v (the layout
-    ulysses_attention takes; zigzag_shard(x, 1) makes them); returns the output's zig-zag slice. Any head count.
+    """Attention over the whole sequence from this rank's zig-zag slices [s/P, b, h, d] of q, k, v (Megatron's
+    sequence-first layout, as ulysses_attention; zigzag_shard(x, 0) makes them); returns the output's zig-zag
+    slice. Any head count.
     Each ring step is one call of the fused attention kernel (fused=False: the explicit block); merging and the
     dk, dv that travel are fp32 for bf16 and fp16 inputs; K and V travel in their own dtype."""
     if q.dim() != 4 or q.shape != k.shape or k.shape != v.shape:
-        raise ValueError(f"ring_attention takes q, k, v of one shape [b, s/P, h, d], got {tuple(q.shape)}, "
+        raise ValueError(f"ring_attention takes q, k, v of one shape [s/P, b, h, d], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    _zigzag_check(dist.get_world_size(group) * q.shape[1], "sequence length", group)
+    _zigzag_check(dist.get_world_size(group) * q.shape[0], "sequence length", group)
     return _RingAttention.apply(q, k, v, is_causal, group, fused)
 
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+import os
+
 try:
-    from common import finish, head, held_bytes, launched_world_size, log, memory, refuse, setup, time_overlap, traffic
+    from common import (finish, head, held_bytes, launched_world_size, log, memory, refuse, setup, sync, time_overlap,
+                        traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -817,15 +821,15 @@ def ulysses(groups, device):
 
 def zigzag(groups, device):
     pos = torch.arange(S, device=device, dtype=torch.float64)            # each token's position in the sequence
-    x = ints((B, S, 3), 7, device)                                        # [b, s, 3], the same on every rank
+    x = ints((S, B, 3), 7, device)                                        # [s, b, 3], the same on every rank
     for group in groups:
         P, r = dist.get_world_size(group), dist.get_rank(group)
         c = S // (2 * P)
         rows = zigzag_shard(pos, 0, group)
         assert rows.tolist() == [*range(r * c, (r + 1) * c), *range((2 * P - 1 - r) * c, (2 * P - r) * c)]
-        held = zigzag_shard(strided(x), 1, group)                          # along dim 1, from a strided view
-        assert torch.equal(held, x[:, rows.long()])
-        assert torch.equal(adjoint_checked(lambda t: zigzag_unshard(t, 1, group), strided(held), group), x)
+        held = zigzag_shard(strided(x), 0, group)                          # along dim 0, from a strided view
+        assert torch.equal(held, x[rows.long()])
+        assert torch.equal(adjoint_checked(lambda t: zigzag_unshard(t, 0, group), strided(held), group), x)
         pairs = torch.stack([(rows + 1).sum(), (pos.chunk(P)[r] + 1).sum()])   # causal query-key pairs, mine
         every = [torch.empty_like(pairs) for _ in range(P)]
         dist.all_gather(every, pairs, group=group)
@@ -833,7 +837,7 @@ def zigzag(groups, device):
         assert set(zig) == {S * (S + 1) // (2 * P)} and (P == 1 or len(set(contiguous)) == P)
         if group is None:
             log(f"rank r holds chunks r and 2P-1-r of {2 * P}: positions {rows[:2].long().tolist()}.. on R0; "
-                "unshard(shard(x)) == x along dim 1; unshard's adjoint exact")
+                "unshard(shard(x)) == x along dim 0; unshard's adjoint exact")
             log(f"causal query-key pairs per rank: zig-zag {list(zig)}, contiguous {list(contiguous)}")
     P = dist.get_world_size()
     if P > 1:
@@ -862,20 +866,20 @@ def replays_to_the_end(logs):
 
 def ring(groups, device):
     f64 = dict(dtype=torch.float64, device=device)
-    qkv, dout = [torch.randn(B, S, RING_HEADS, RING_D, **f64) for _ in range(3)], torch.randn(B, S, RING_HEADS,
+    qkv, dout = [torch.randn(S, B, RING_HEADS, RING_D, **f64) for _ in range(3)], torch.randn(S, B, RING_HEADS,
                                                                                              RING_D, **f64)
-    sdpa = lambda q, k, v, causal: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                                  v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+    sdpa = lambda q, k, v, causal: F.scaled_dot_product_attention(  # [s, b, h, d] <-> [b, h, s, d]
+        *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=causal).permute(2, 0, 1, 3)
     for group in groups:
         ranks, P, r = members(group), dist.get_world_size(group), dist.get_rank(group)
         got, works = _ring_exchange(strided(ints((2, 3), dist.get_rank(), device)), group)   # one ring step
         _wait(works)
         assert torch.equal(got, ints((2, 3), ranks[(r - 1) % P], device))   # the previous group rank's tensor
-        mine = lambda t: zigzag_shard(t, 1, group)
+        mine = lambda t: zigzag_shard(t, 0, group)
         for causal in (False, True):
             ref_in = [t.clone().requires_grad_() for t in qkv]
             ref = sdpa(*ref_in, causal)
-            my_in = [strided(mine(t)).requires_grad_() for t in qkv]        # [b, s/P, h, d], non-contiguous
+            my_in = [strided(mine(t)).requires_grad_() for t in qkv]        # [s/P, b, h, d], non-contiguous
             with traffic() as fwd:
                 out = ring_attention(*my_in, is_causal=causal, group=group)
             with traffic() as bwd:
@@ -892,7 +896,7 @@ def ring(groups, device):
             dist.all_gather_object(logs, ops, group=group)
             assert replays_to_the_end(logs), "a posted send would wait for ever"
         if group is None:
-            log(f"q, k, v [b, s/P, h, d] = {list(my_in[0].shape)}, {RING_HEADS} heads: output, dq, dk, dv == SDPA on "
+            log(f"q, k, v [s/P, b, h, d] = {list(my_in[0].shape)}, {RING_HEADS} heads: output, dq, dk, dv == SDPA on "
                 "the whole sequence, causal and not")
             log(f"bytes each rank sends: forward (P-1) x its K+V = {sent(fwd)} B; backward {sent(bwd)} B "
                 "= that + P x dK+dV")
@@ -926,13 +930,13 @@ def ring_fused_and_work(device):
     for exactly the query-key pairs attention needs; it agrees with the explicit block."""
     P, r = dist.get_world_size(), dist.get_rank()
     dtype = torch.float64 if device.type == "cpu" else torch.bfloat16   # what each device's fused kernel takes
-    q, k, v, dout = (torch.randn(B, S // P, RING_HEADS, 8, dtype=dtype, device=device) for _ in range(4))
+    q, k, v, dout = (torch.randn(S // P, B, RING_HEADS, 8, dtype=dtype, device=device) for _ in range(4))
     scale = 8 ** -0.5
     for causal, n, m in ((True, S // P, S // P), (False, S // P, S // (2 * P))):   # a diagonal and a full block
-        qt, kt, vt = (t.transpose(1, 2)[:, :, :rows] for t, rows in ((q, n), (k, m), (v, m)))
+        qt, kt, vt = (t[:rows].permute(1, 2, 0, 3) for t, rows in ((q, n), (k, m), (v, m)))   # [b, h, rows, d]
         fused, explicit = _fused_block(qt, kt, vt, causal, scale), _explicit_block(qt, kt, vt, causal, scale)
         torch.testing.assert_close(fused[:2], explicit[:2])                             # output, log-sum-exp
-        do = dout.transpose(1, 2)[:, :, :n]
+        do = dout.permute(1, 2, 0, 3)
         torch.testing.assert_close(_fused_block_backward(do, qt, kt, vt, *fused[:2], causal, scale, fused[2]),
                                    _explicit_block_backward(do, qt, kt, vt, *explicit[:2], causal, scale))
     log(f"one block, fused kernel == explicit block ({dtype}): output, log-sum-exp, and dq, dk, dv from them; "
@@ -978,7 +982,7 @@ def ring_memory(device):
     accumulators and one block's output, and are less than one head's [s/P x s/P] fp32 score."""
     P, r = dist.get_world_size(), dist.get_rank()
     b, h, d, n = 1, 2, 8, 256                                             # n = s/P rows a rank
-    q, k, v, dout = (torch.randn(b, n, h, d, device=device) for _ in range(4))
+    q, k, v, dout = (torch.randn(n, b, h, d, device=device) for _ in range(4))
     score = b * n * n * 4                                                 # one head's [s/P x s/P] fp32 scores
     for causal in (True, False):
         qkv = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -1003,10 +1007,10 @@ def ring_bf16(qkv, dout, sdpa, device):
     ref_in = [t.double().requires_grad_() for t in rounded[:3]]
     ref = sdpa(*ref_in, True)
     ref_grads = vjp(ref, ref_in, rounded[3].double())
-    my_in = [zigzag_shard(t, 1).requires_grad_() for t in rounded[:3]]
+    my_in = [zigzag_shard(t, 0).requires_grad_() for t in rounded[:3]]
     out = ring_attention(*my_in, is_causal=True)
     with traffic() as bwd:
-        grads = vjp(out, my_in, zigzag_shard(rounded[3], 1))
+        grads = vjp(out, my_in, zigzag_shard(rounded[3], 0))
     kv = my_in[1].nbytes + my_in[2].nbytes                          # bf16 K and V; dK, dV travel in fp32
     assert sent(bwd) == (P - 1) * kv + P * 2 * kv * (P > 1)
     assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
@@ -1014,13 +1018,13 @@ def ring_bf16(qkv, dout, sdpa, device):
     one_out = sdpa(*one, True)
     worst = 0
     for mine, theirs, want in zip((out, *grads), (one_out, *vjp(one_out, one, rounded[3])), (ref, *ref_grads)):
-        want = zigzag_shard(want, 1)
-        err, sdpa_err = ((x.double() - want).abs().max().item() for x in (mine, zigzag_shard(theirs, 1)))
+        want = zigzag_shard(want, 0)
+        err, sdpa_err = ((x.double() - want).abs().max().item() for x in (mine, zigzag_shard(theirs, 0)))
         assert err <= sdpa_err + P * 2 ** -8 * want.abs().max().item(), (err, sdpa_err)   # + P blocks' roundings
         worst = max(worst, err / sdpa_err)
     log(f"bf16 in (each block's kernel in bf16; merging, dq and dK, dV sums in fp32): output, dq, dk, dv off float64 "
         f"SDPA by <= one-process bf16 SDPA's error + P bf16 roundings; here {worst:.2f} x SDPA's error at most")
-    bad = torch.zeros(B, 3, RING_HEADS, RING_D, device=device)
+    bad = torch.zeros(3, B, RING_HEADS, RING_D, device=device)
     try:
         ring_attention(bad, bad, bad)
         raise AssertionError("3 rows a rank accepted")
@@ -1038,7 +1042,88 @@ def ring_overlap(device):
         f"overlapped {t['overlapped'] * 1e3:.2f} ms (printed, not asserted)")
 
 
+def ring_benchmark(s=4096, b=1, h=8, d=64, rounds=int(os.environ.get("BENCH_ROUNDS", "10"))):
+    """BENCH=1: forward + backward of causal attention over a sequence of s, each side first checked equal to one
+    process's SDPA, then timed in interleaved rounds; ratios are medians of per-round ratios."""
+    import statistics
+    import time
+    from torch.nn.attention.bias import causal_lower_right
+    rank, P, device = setup()
+    head(f"BENCH: causal attention fwd+bwd, [s, b, h, d] = [{s}, {b}, {h}, {d}], fp32, {P} ranks "
+         f"({torch.get_num_threads()} thread(s) a rank)")
+    g = torch.Generator().manual_seed(0)
+    whole = [torch.randn(s, b, h, d, generator=g).to(device) for _ in range(4)]     # q, k, v, dout: every rank
+    mine = [zigzag_shard(t, 0).contiguous() for t in whole]
+    c, bhsd = s // (2 * P), lambda t: t.permute(1, 2, 0, 3)                          # [s, b, h, d] -> [b, h, s, d]
+
+    def one_process():                                   # SDPA on the whole sequence, the zig-zag rows kept
+        qkv = [t.clone().requires_grad_() for t in whole[:3]]
+        out = F.scaled_dot_product_attention(*map(bhsd, qkv), is_causal=True).permute(2, 0, 1, 3)
+        return (zigzag_shard(x, 0) for x in (out, *torch.autograd.grad(out, qkv, whole[3])))
+
+    def ours():
+        qkv = [t.clone().requires_grad_() for t in mine[:3]]
+        out = ring_attention(*qkv, is_causal=True)
+        return out, *torch.autograd.grad(out, qkv, mine[3])
+
+    def all_gather_cp():                                 # Llama 3: all-gather K, V; my 2 chunks see their prefix
+        qkv = [t.clone().requires_grad_() for t in mine[:3]]
+        k, v = zigzag_unshard(torch.cat(qkv[1:], dim=-1), 0).split(d, dim=-1)      # one all-gather, [s, b, h, d]
+        outs = []
+        for i, start in enumerate((rank * c, (2 * P - 1 - rank) * c)):           # chunk r, chunk 2P-1-r
+            q = bhsd(qkv[0][i * c:(i + 1) * c])
+            mask = causal_lower_right(c, start + c)                              # the prefix, causal at its end
+            outs.append(F.scaled_dot_product_attention(q, bhsd(k[:start + c]), bhsd(v[:start + c]), attn_mask=mask))
+        out = torch.cat(outs, dim=2).permute(2, 0, 1, 3)
+        return out, *torch.autograd.grad(out, qkv, mine[3])
+
+    sides = {"ours": ours, "all-gather": all_gather_cp, "one process": one_process}
+    try:                                                 # torch 2.8+ moved it; older torch has the first home
+        try:
+            from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+        except ImportError:
+            from torch.distributed.tensor.experimental import _attention as cp
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        cp._templated_ring_attention, cp._templated_ring_attention_backward, cp._RotateMethod    # or not timed
+
+        def torch_ring(method):
+            def run():
+                cp._cp_options.rotate_method = method
+                q, k, v, dout = map(bhsd, mine)
+                out, lse = cp._templated_ring_attention(dist.group.WORLD, 2, flash.default, q, k, v, is_causal=True)
+                grads = cp._templated_ring_attention_backward(
+                    dist.group.WORLD, 2, flash_backward, grad_out=dout, grad_out_name="grad_out", query=q, key=k,
+                    value=v, out=out, logsumexp=lse, is_causal=True, dropout_p=0.0)
+                return (t.permute(2, 0, 1, 3) for t in (out, *grads[:3]))
+            return run
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        if device.type == "cpu":
+            sides["torch ring (all-gather)"] = torch_ring(cp._RotateMethod.ALL_GATHER)   # context_parallel's default
+            sides["torch ring (all-to-all)"] = torch_ring(cp._RotateMethod.ALL_TO_ALL)
+    except (ImportError, AttributeError) as err:
+        log(f"PyTorch's ring attention not timed: {err}")
+    want = list(one_process())
+    for name, fn in sides.items():                       # every side first equals one process's SDPA
+        for got, ref in zip(fn(), want):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    log(f"output, dq, dk, dv of every side == one process's SDPA (rtol 1e-4); {rounds} interleaved rounds")
+    ms = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, fn in sides.items():
+            sync(device), dist.barrier()
+            t0 = time.perf_counter()
+            list(fn())
+            sync(device)
+            ms[name].append(1e3 * (time.perf_counter() - t0))
+    for name in sides:
+        ratio = statistics.median(a / b for a, b in zip(ms["ours"], ms[name]))
+        log(f"{name:24} {statistics.median(ms[name]):8.1f} ms   ours / it: x{ratio:.2f} (median of per-round ratios)")
+    finish(f"ring attention timed beside all-gather CP, PyTorch's ring and one process at {P} ranks")
+
+
 def main():
+    if os.environ.get("BENCH", "0") not in ("", "0"):
+        return ring_benchmark()
     W = launched_world_size()
     if 24 % W:
         refuse(f"world size {W} does not divide {NH} heads, ffn {FFN} and the sequence's {S // 2} chunk pairs: "
