@@ -1,12 +1,10 @@
 """03 - all-reduce = reduce-scatter + all-gather.
 
 The three collectives after which every rank holds a result:
-  all-reduce      every rank gets the sum of all ranks' tensors: DDP's gradients, tensor parallelism's partial
-                  outputs of a row-parallel linear (Megatron's g).
-  reduce-scatter  rank r gets chunk r of that sum: ZeRO-2 / FSDP gradients (each rank keeps the 1/W it updates),
-                  the exit of sequence parallelism's row-parallel linear.
-  all-gather      every rank gets every rank's chunk, concatenated: ZeRO-3 / FSDP parameters before use, the
-                  entry of sequence parallelism's column-parallel linear.
+  all-reduce      every rank gets the sum of all ranks' tensors: DDP's gradients, the partial outputs of a
+                  tensor-parallel row-parallel linear (Megatron's g).
+  reduce-scatter  rank r gets chunk r of that sum: ZeRO-2 / FSDP gradients, sequence parallelism's exit.
+  all-gather      every rank gets every rank's chunk: ZeRO-3 / FSDP parameters, sequence parallelism's entry.
 
 An all-reduce is a reduce-scatter followed by an all-gather, and the ring algorithm runs exactly that:
 
@@ -16,36 +14,28 @@ An all-reduce is a reduce-scatter followed by an all-gather, and the ring algori
   R2: a2 b2 c2 d2         R2:     C             R2: A B C D
   R3: a3 b3 c3 d3         R3:       D           R3: A B C D
 
-Bytes each rank sends for a V-byte tensor over W ranks, ring algorithm (the "bus bandwidth" factors of
-nccl-tests: busbw = algbw * factor):
+Bytes each rank sends for a V-byte tensor over W ranks, ring algorithm (nccl-tests' bus bandwidth factors):
   reduce-scatter (W-1)/W * V      all-gather (W-1)/W * V      all-reduce 2(W-1)/W * V
-so data-parallel training pays about 2V per step whether it all-reduces (DDP) or reduce-scatters gradients and
-all-gathers parameters (ZeRO): lesson 09.
+so data parallelism pays about 2V a step, by all-reduce (DDP) or reduce-scatter + all-gather (ZeRO): lesson 09.
 
-The ring (ring_all_reduce below): V is cut into W chunks; rank r sends to r+1 and receives from r-1.
-  reduce-scatter, W-1 steps: at step s rank r sends its partial sum of chunk r-1-s and adds the partial sum of
-                             chunk r-2-s it receives into its own. It sends every chunk but r, and ends holding
-                             the full sum of chunk r, as in the picture.
-  all-gather,     W-1 steps: at step s rank r sends the finished chunk r-s and copies in chunk r-1-s. It sends
-                             every chunk but r+1, the last one it receives.
-  2(W-1) steps of one chunk (V/W) each = 2(W-1)/W * V. At W = 1 there is no step.
-  Each step, even ranks post the send first and odd ranks the receive: played as blocking sends, a ring where
-  every rank sends first waits on itself.
+The ring (ring_all_reduce): V in W chunks; rank r sends to r+1 and receives from r-1, W-1 steps a phase.
+  reduce-scatter  at step s rank r sends its partial sum of chunk r-1-s and adds in chunk r-2-s it receives:
+                  it sends every chunk but r, and ends holding the full sum of chunk r.
+  all-gather      at step s rank r sends the finished chunk r-s and copies in chunk r-1-s: every chunk but r+1.
+  2(W-1) steps of V/W = 2(W-1)/W * V. Even ranks post the send first, odd ranks the receive: played as
+  blocking sends, a ring where every rank sends first waits on itself.
 
-In autograd, Megatron's pairs (forward / backward), the same form as lesson 05:
-  copy_to_tensor_model_parallel_region (f)      identity / all-reduce
-  reduce_from_tensor_model_parallel_region (g)  all-reduce / identity
-  all_gather(x, dim)       all-gather along dim / reduce-scatter along dim   (Megatron's gather_from_sequence_
-  reduce_scatter(x, dim)   reduce-scatter along dim / all-gather along dim    parallel_region and its pair, dim 0)
+In autograd, Megatron's mappings (forward / backward), in 06's text:
+  copy_to_tensor_model_parallel_region (f)               identity / all-reduce
+  reduce_from_tensor_model_parallel_region (g)           all-reduce / identity
+  gather_from_sequence_parallel_region(x, dim=d)         all-gather along d / reduce-scatter along d
+  reduce_scatter_to_sequence_parallel_region(x, dim=d)   reduce-scatter along d / all-gather along d
 Which all-reduce backward is right depends on how the loss counts the output:
-  counted once     every rank holds the same output and computes the same loss from it (tensor parallelism):
-                   dL/dx_r = dL/dout, which every rank already holds: g.
-  summed           each rank's copy feeds its own loss term, L = sum over ranks: dL/dx_r = sum over s of
-                   dL_s/dout_s: f(g(x)), an all-reduce both ways (torch's own differentiable all-reduce).
-  Mixing them is wrong: f(g(x)) under a loss counted once gives W times the gradient; g under a summed loss
-  keeps only this rank's term.
+  counted once  every rank computes the same loss from the same output (tensor parallelism): g.
+  summed        L = the sum of each rank's loss on its copy, so dL/dx_r sums every rank's gradient: f(g(x)), an
+                all-reduce both ways (torch's differentiable all-reduce). Mixed up: W times the gradient, or one term.
 
-Run:  torchrun --nproc-per-node=4 03_allreduce_rs_ag.py
+Run:  torchrun --nproc-per-node=4 03_allreduce_rs_ag.py     (BENCH=1: nccl-tests' algbw/busbw table instead)
 """
 import torch
 import torch.distributed as dist
@@ -57,8 +47,16 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# ---- building blocks: the mappings, 06's canonical text (Megatron's mappings.py vocabulary) -------------
+def _divide(what: str, value: int, group) -> int:
+    size = dist.get_world_size(group)
+    if value % size:
+        raise ValueError(f"{what}={value} is not divisible by the group size {size}")
+    return value // size
+
+
 def _reduce(x, group):
-    """Sum of x over the group; the caller's tensor is left alone (as in 05)."""
+    """Sum of x over the group; the caller's tensor is left alone."""
     if dist.get_world_size(group) == 1:
         return x
     x = x.clone(memory_format=torch.contiguous_format)
@@ -66,32 +64,33 @@ def _reduce(x, group):
     return x
 
 
-def _gather_along_dim(x, dim, group):
-    """Every rank's x, concatenated along dim in group-rank order."""
+def _gather_along_dim(x, dim, group, async_op=False):
+    """Every rank's x, concatenated along `dim` in rank order. async_op: (out, works), out valid after the wait."""
     size = dist.get_world_size(group)
     if size == 1:
-        return x
-    front = x.movedim(dim, 0).contiguous()                  # along dim 0 each rank's block is one piece
+        return (x, []) if async_op else x
+    front = x.movedim(dim, 0).contiguous()                     # along dim 0 each rank's block is contiguous
     out = front.new_empty((size * front.shape[0], *front.shape[1:]))
-    all_gather_single(out, front, group=group)
-    return out.movedim(0, dim).contiguous()
+    work = all_gather_single(out, front, group=group, async_op=async_op)
+    out = out.movedim(0, dim)
+    return (out, [work]) if async_op else out
 
 
-def _reduce_scatter_along_dim(x, dim, group):
-    """Block `group rank` along dim of the sum of x over the group."""
+def _reduce_scatter_along_dim(x, dim, group, async_op=False):
+    """Chunk r along `dim` of the sum over the group, on rank r. async_op: (out, works)."""
     size = dist.get_world_size(group)
-    if x.shape[dim] % size:
-        raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} is not divisible by the group size {size}")
     if size == 1:
-        return x
+        return (x, []) if async_op else x
+    _divide(f"x.shape[{dim}]", x.shape[dim], group)
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, dim).contiguous()
+    work = reduce_scatter_single(out, front, group=group, async_op=async_op)
+    out = out.movedim(0, dim)
+    return (out, [work]) if async_op else out
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
-    """forward: identity; backward: all-reduce (the f operator; as in 05)."""
+    """forward: identity; backward: all-reduce (the f operator)."""
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -103,7 +102,7 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
-    """forward: all-reduce; backward: identity (the g operator, conjugate of f; as in 05)."""
+    """forward: all-reduce; backward: identity (the g operator, f's conjugate)."""
     @staticmethod
     def forward(ctx, x, group):
         return _reduce(x, group)
@@ -113,7 +112,7 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _AllGatherAlongDim(torch.autograd.Function):
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     """forward: all-gather along dim; backward: reduce-scatter along dim."""
     @staticmethod
     def forward(ctx, x, dim, group):
@@ -125,7 +124,7 @@ class _AllGatherAlongDim(torch.autograd.Function):
         return _reduce_scatter_along_dim(grad, ctx.dim, ctx.group), None, None
 
 
-class _ReduceScatterAlongDim(torch.autograd.Function):
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """forward: reduce-scatter along dim; backward: all-gather along dim."""
     @staticmethod
     def forward(ctx, x, dim, group):
@@ -137,25 +136,24 @@ class _ReduceScatterAlongDim(torch.autograd.Function):
         return _gather_along_dim(grad, ctx.dim, ctx.group), None, None
 
 
-# Megatron's public names (each returns x itself when the group has one rank, a new tensor otherwise)
+
+# Megatron's public names. The sequence-parallel regions cut dim 0, the sequence of Megatron's [s, b, h]; a
+# batch-first [b, s, h] caller passes dim=1. f and g act on the whole tensor.
 def copy_to_tensor_model_parallel_region(x, group=None):
-    """f: x as it is; backward: all-reduce. f(g(x)) is an all-reduce both ways, for a summed loss."""
     return _CopyToModelParallelRegion.apply(x, group)
 
 
 def reduce_from_tensor_model_parallel_region(x, group=None):
-    """g: the sum of x over the group; backward: identity, for a loss counted once."""
     return _ReduceFromModelParallelRegion.apply(x, group)
 
 
-def all_gather(x, dim, group=None):
-    """Every rank's x concatenated along dim; backward: reduce-scatter along dim."""
-    return _AllGatherAlongDim.apply(x, dim, group)
+def gather_from_sequence_parallel_region(x, group=None, *, dim=0):
+    return _GatherFromSequenceParallelRegion.apply(x, dim, group)
 
 
-def reduce_scatter(x, dim, group=None):
-    """Block `group rank` along dim of the sum over the group; backward: all-gather along dim."""
-    return _ReduceScatterAlongDim.apply(x, dim, group)
+def reduce_scatter_to_sequence_parallel_region(x, group=None, *, dim=0):
+    return _ReduceScatterToSequenceParallelRegion.apply(x, dim, group)
+
 
 
 # ---- building blocks: the ring all-reduce from point-to-point ---------------------------------------------
@@ -322,7 +320,7 @@ def section_all_reduce(rank, W, f64, groups, funcol):
 
 
 def section_gather_scatter(rank, W, f64, groups, funcol):
-    head("4. all_gather / reduce_scatter along any dim: each one's backward is the other")
+    head("4. all-gather / reduce-scatter regions along any dim: each one's backward is the other")
     torch.manual_seed(4)
     for group in groups:
         members, G, r = members_of(group)
@@ -331,23 +329,25 @@ def section_gather_scatter(rank, W, f64, groups, funcol):
             X = torch.randint(-9, 10, (W, 2, 3, 4), **f64)
             gathered = lambda Xd: torch.stack([torch.cat(list(Xd), dim)] * len(Xd))
             Y = torch.randint(-9, 10, (W, *gathered(X[members]).shape[1:]), **f64)
-            check_collective(lambda t: all_gather(t, dim, group), X, Y, gathered, group, "all_gather",
-                             "reduce_scatter", (lambda t: funcol.all_gather_single(t, dim, pg)) if funcol else None)
+            torch_ag = (lambda t: funcol.all_gather_single(t, dim, pg)) if funcol else None
+            check_collective(lambda t: gather_from_sequence_parallel_region(t, group, dim=dim), X, Y, gathered, group,
+                             "all_gather", "reduce_scatter", torch_ag)
             shape = [2, 3, 4]
             shape[dim] *= G                             # reduce-scatter input: G blocks along dim
             scattered = lambda Xd: torch.stack(Xd.sum(0).chunk(len(Xd), dim))
             torch_rs = (lambda t: funcol.reduce_scatter_single(t, "sum", dim, pg)) if funcol else None
-            check_collective(lambda t: reduce_scatter(t, dim, group), torch.randint(-9, 10, (W, *shape), **f64),
+            check_collective(lambda t: reduce_scatter_to_sequence_parallel_region(t, group, dim=dim),
+                             torch.randint(-9, 10, (W, *shape), **f64),
                              torch.randint(-9, 10, (W, 2, 3, 4), **f64), scattered, group, "reduce_scatter",
                              "all_gather", torch_rs)
     log("dims 0, 1, 2, -1, world and sub-groups: fwd and bwd == dense autograd" + (" == torch's own" if funcol
         else "") + "; one collective each way; inputs untouched")
     if W > 1:
         try:
-            reduce_scatter(torch.zeros(3 * W + 1, device=f64["device"]), 0)
+            reduce_scatter_to_sequence_parallel_region(torch.zeros(3 * W + 1, device=f64["device"]))
             raise AssertionError("no ValueError")
         except ValueError as e:
-            assert f"size {3 * W + 1} of dim 0" in str(e) and f"group size {W}" in str(e)
+            assert f"x.shape[0]={3 * W + 1}" in str(e) and f"group size {W}" in str(e)
             log(f"ValueError: {e}")
 
 
