@@ -748,8 +748,8 @@ def linear_overlap(groups, device):
     log("bf16 W: main_grad is fp32, W.grad stays None; gradient_accumulation_fusion=False: dW in W.grad == autograd")
     log("handshake with a data-parallel wrapper (a bucket's main_grad, grad_added_to_main_grad): its hook fires "
         "once a backward, sees the flag set and drops the placeholder; main_grad == 2 micro-batches' dW")
-    grad_x = torch.randn(256, 4, 256, device=device)                        # timing: grad_x [s, b, h] fp32
-    g2, t2, dw = (torch.randn(*shape, device=device) for shape in ((1024, 128), (1024, 256), (128, 256)))
+    grad_x = torch.randn(240, 4, 256, device=device)      # timing: grad_x [s, b, h] fp32, s divisible by 1..8 but 5, 7
+    g2, t2, dw = (torch.randn(*shape, device=device) for shape in ((960, 128), (960, 256), (128, 256)))
     t = time_overlap(lambda: Posted(_reduce_scatter_along_dim(grad_x, 0, None, async_op=True)[1]),
                      lambda: dw.addmm_(g2.t(), t2), device, iters=2)      # dW [f/tp, h] += grad.T @ total
     hidden, most = t["comm"] + t["compute"] - t["overlapped"], min(t["comm"], t["compute"])
