@@ -8,11 +8,10 @@ rank; SP splits them along s (dim 0, Megatron's [s, b, h]) and cuts TP's all-red
     SP:  x[s/tp, b, h]  LN  all-gather    fc1 GeLU fc2  reduce-scatter   + x     rank i holds s_i only
          R0 [s0]  --all-gather-->  R0 [s0 s1 s2 s3] ... R0 [s0 s1 s2 s3] partial  --reduce-scatter-->  R0 [s0]
          R1 [s1]                   R1 [s0 s1 s2 s3] ... R1 [s0 s1 s2 s3] partial                      R1 [s1]
-Bytes each rank sends, V = s*b*h*bytes: 2(tp-1)/tp*V forward, TP's all-reduce exactly, and (tp-1)/tp*V more in
-backward: fc1 (LinearWithSequenceParallel) keeps only its [s/tp, b, h] input and all-gathers it again. So LN's
-input and output (fc1's input) are kept at 1/tp; but LN's weight and bias and fc2's bias see one slice of s per
-rank: their gradients need one all-reduce over TP (NVIDIA/Megatron-LM#443). fc1's backward reduce-scatters grad_x
-async while dW goes into an fp32 `main_grad` (Megatron's gradient-accumulation fusion and DP handshake).
+Bytes each rank sends, V = s*b*h*bytes: 2(tp-1)/tp*V forward (TP's all-reduce) and (tp-1)/tp*V more in backward,
+where fc1 (LinearWithSequenceParallel) all-gathers again the [s/tp, b, h] input it kept: LN's input and output are
+kept at 1/tp. LN's weight and bias and fc2's bias see one slice of s per rank: their gradients need one all-reduce
+over TP (Megatron-LM#443). fc1's dW goes into an fp32 `main_grad` while grad_x's reduce-scatter travels.
 
 Ulysses (Jacobs et al., 2023). An all-to-all turns q, k, v [s/P, b, h, d] into [s, b, h/P, d], attention runs on
 h/P heads over the whole sequence, one more all-to-all brings the output back: forward sends 4(P-1)/P^2 * V, 2/P
@@ -43,9 +42,8 @@ attention compute, it allows any mask (documents packed in one sequence), and it
 steps to hide. The ring wins when K and V are large (many K/V heads), when the whole sequence's K and V do not
 fit on one device, or across slow links where only an overlapped transfer is affordable.
 
-Which one. Megatron SP goes with TP (its bytes, 1/tp of the activations around the block). Ulysses moves 2/P of
-that but needs P <= heads (K/V heads under GQA) and a fast all-to-all: inside a node. Ring CP has no head limit
-and hides its transfers behind attention: the longest sequences, across nodes; Ulysses and ring compose.
+Which one (README: Three ways to split a sequence): Megatron SP always with TP; Ulysses inside a node, P <= K/V
+heads; ring CP for the longest sequences, across nodes, any head count; Ulysses and ring compose.
 
     torchrun --nproc-per-node=4 06_sequence_parallel.py
 """
