@@ -696,8 +696,8 @@ def unequal_slices(device):
     except ValueError as e:
         shapes = [[n, BATCH, HIDDEN] for n in lengths]
         assert str(e).startswith(f"sequence-parallel slices differ across the group: shapes {shapes}; "), e
-        log(f"refused on every rank: ValueError('{e}')")
-    log(f"equal slices: checked by one all-gather of {3 * 8} B on a new shape, none while the shape stays")
+        log(f"refused on every rank: ValueError('{str(e)[:70]}..')")
+    log(f"equal slices checked by one all-gather of the shape ({3 * 8} B) on a new shape, none while it stays")
 
 
 def kept_for_backward(fn, params):
@@ -732,8 +732,8 @@ def activation_memory(device):
             mlp(x).backward(dy)
             torch.testing.assert_close(par[0].weight.grad, par[0].shard(mlp[0].weight.grad)[0])
     assert got == {False: V + 2 * A, True: V // world + 2 * A}, got    # fc1's input, GeLU's, fc2's
-    log(f"MLP saved for backward: TP {got[False]} B = V + 2A, SP {got[True]} B = V/{world} + 2A "
-        f"(V = {V} B fc1's input [s, b, h], A = {A} B [s, b, ffn/p]); fc1 keeps [s/p, b, h], gathers it again")
+    log(f"MLP saved for backward: TP {got[False]} B = V + 2A, SP {got[True]} B = V/{world} + 2A; V = {V} B "
+        f"(fc1's input), A = {A} B ([s, b, ffn/p])")
     log("gradient_accumulation_fusion=True: dW in weight.main_grad (fp32 or wider) == dense, weight.grad None")
     mha, att = dense_blocks(2, device)["attention"][0], {}
     for sp in (False, True):
