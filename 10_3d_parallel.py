@@ -1,57 +1,44 @@
 """10 - 3D parallelism: a small GPT trained with data, pipeline, tensor, sequence and vocabulary parallelism at once.
 
-Every lesson before this one proves one block alone. Here they are composed, unchanged, into one training step
-(what Megatron-LM and picotron do): this file imports them (importlib, since a module name cannot start with a
-digit) and adds only the grid of process groups, the model built from the blocks, and the step that joins them.
-
-The grid. W = dp * pp * tp ranks, tp fastest: rank = (d * pp + p) * tp + t. A TP group is tp consecutive ranks
-(one node: the heaviest traffic on the fastest links); a PP group takes one rank from each stage; a DP group holds
-the copies of one shard, one per replica. 8 ranks as dp 2 x pp 2 x tp 2:
+The blocks of 05-09, imported unchanged (importlib: a module name cannot start with a digit), composed into one
+training step as Megatron-LM and picotron do; this file adds the grid of groups, the model and the step.
+The grid: W = dp * pp * tp, tp fastest: rank = (d * pp + p) * tp + t (picotron's order, dp-pp-tp). Megatron's
+default order "tp-cp-ep-dp-pp" also keeps TP on consecutive ranks but puts dp inside pp: rank = (p * dp + d) * tp + t.
+8 ranks as dp 2 x pp 2 x tp 2 (a middle stage, with pp >= 3, is in no embedding group):
 
             replica d=0               replica d=1         TP groups  [0 1] [2 3] [4 5] [6 7]   (NVLink)
         stage 0     stage 1       stage 0     stage 1     PP groups  [0 2] [1 3] [4 6] [5 7]   (across nodes)
        [ 0  1 ] -> [ 2  3 ]      [ 4  5 ] -> [ 6  7 ]     DP groups  [0 4] [1 5] [2 6] [3 7]   (across nodes)
         t=0 t=1     t=0 t=1       t=0 t=1     t=0 t=1     embedding  [0 2] [1 3] [4 6] [5 7]   (first+last stage)
 
-Who holds what. Stage 0 holds the vocabulary-parallel embedding (07: rank t holds vocabulary rows t*V/tp...);
-each stage L/pp transformer layers whose attention and MLP are column/row-parallel (05) with sequence
-parallelism (06): between layers a rank holds [b, s/tp, h], its slice of the sequence; the last stage holds the
-final LayerNorm and the LM head, whose weight is the embedding's (tied), and the vocabulary-parallel loss (07).
-Micro-batches flow through the stages in 1F1B order (08); ZeRO-2 (09) over the DP group reduce-scatters the
-gradients, steps this rank's 1/dp of them and all-gathers the parameters.
+Who holds what. Activations are Megatron's [s, b, h], the sequence split over TP between layers ([s/tp, b, h]).
+Stage 0: the vocabulary-parallel embedding (07), its partial sums reduce-scattered to [s/tp, b, h]; every stage: L/pp
+layers, attention and MLP column/row-parallel (05) with 06's SP linear (it keeps [s/tp, b, h] and all-gathers
+again in backward; dW into main_grad, 09's handshake); last stage: final LayerNorm, the LM head tied to the
+embedding, the vocabulary-parallel loss (07). Micro-batches run in 1F1B order (08); ZeRO-2 (ZERO=3: ZeRO-3) over DP.
+After the last micro-batch the gradients applied to a slice of the sequence (LayerNorms, row biases) are summed
+over TP, and the tied weight's two copies over the embedding group, then ZeRO reduce-scatters over DP. Megatron's
+finalize_model_grads runs the DP reduction first (finish_grad_sync), then the LayerNorm/SP sum over TP, then the
+embedding group: all are sums, so every order gives the same gradient.
 
-The tied weight: the embedding group. With pp > 1 the embedding (stage 0) and the LM head (last stage) are two
-copies of one matrix, each getting the gradient of its own use. Megatron's embedding group (the first and last
-rank of each pipeline) all-reduces that gradient once per step, after the last micro-batch, so both copies take
-the same step and stay equal; with one stage they are one Parameter and nothing moves. Likewise LayerNorms and
-the MLP's row bias see only this rank's slice of the sequence (SP): their gradients are all-reduced over TP.
-Both run after the pipeline and before ZeRO-2's reduce-scatter (Megatron's finalize_model_grads); all three
-are sums, so the order does not change the result. The groups nest: a TP group lies inside one stage of one
-replica; a PP group links one TP rank of each stage; an embedding group is the two ends of a PP group; a DP group
-links the same (stage, TP rank) across replicas. Every rank is in exactly one group of each kind.
+One step, bytes each rank SENDS (ring: all-reduce 2(n-1)/n of its input, all-gather (n-1) x, reduce-scatter
+(n-1)/n); A = s*b*h*e one micro-batch's whole activation, m micro-batches, t = tp, L/pp layers a stage:
+  TP per layer and micro-batch: 6 all-gathers of A/t (2 forward, 2 SP re-gathers, 2 reduce-scatter backwards)
+      and 4 reduce-scatters of A: 10 (t-1)/t A. Stage 0 per micro-batch: the embedding's reduce-scatter (an
+      all-reduce, then a split, with a 07 that lacks sequence_parallel) and its backward all-gather. Last
+      stage: the head's 2 all-gathers + 1 reduce-scatter, and the loss's all-gather of 3 fp32 per token.
+      Per step: the SP gradients' all-reduce, 5h per layer (+2h on the last stage)
+  PP per micro-batch: A/t forward unless last stage, A/t back unless first; embedding group once: V/t*h
+  DP per step and bucket: reduce-scatter (dp-1)/dp of its gradients; all-gather (dp-1)/dp of its parameters
+      once (ZeRO-2) or for each F and each B, 2m times (ZeRO-3)
+Bytes each rank HOLDS at its peak, P parameters a rank: parameters P*ep (ZeRO-3: P/dp*ep); gradients P*eg
+(added up over the micro-batches under no_sync) + P/dp*eg reduced; AdamW 2P/dp*eg (+4P/dp fp32 master copy for
+narrower parameters); activations: stage p keeps min(pp - p, m) micro-batches' saved tensors.
+The demo counts one step's collectives per group (common.traffic) and the bytes held (held_bytes, saved tensors
+alive) and asserts these forms, which step_traffic and step_memory then evaluate for a real model.
 
-One step, bytes each rank SENDS (ring algorithms: an all-reduce sends 2(n-1)/n of its input, an all-gather
-(n-1) x its input, a reduce-scatter (n-1)/n of its input; a send its tensor). A = b*s*h*e is one micro-batch's
-whole activation (b sequences of s tokens, hidden h, e bytes an element), m micro-batches, L/pp layers a stage,
-t = tp, eg / ep bytes of a gradient / parameter element, V the vocabulary:
-  TP, per layer and micro-batch: attention and MLP each all-gather their input and reduce-scatter their output,
-      and the reverse in backward: 4 all-gathers of A/t + 4 reduce-scatters of A = 8 (t-1)/t A (TP's 4 all-reduces)
-  TP, stage 0, per micro-batch: the embedding's all-reduce 2(t-1)/t A; its split's backward all-gather (t-1)/t A
-  TP, last stage, per micro-batch: the head's all-gather and its backward reduce-scatter, 2 (t-1)/t A; the loss:
-      one all-gather of 3 fp32 numbers per token, (t-1) * 3*b*s*4 bytes (07), whatever V is
-  TP, per step: one all-reduce of the SP gradients, 5h per layer (+2h, the final LayerNorm): 2(t-1)/t * 5h*eg*L/pp
-  PP, per micro-batch: the activation forward unless last stage, its gradient back unless first: A/t each
-  embedding group, per step (first and last stage, pp > 1): one all-reduce of V/t*h*eg bytes: sends 1x of it
-  DP, per step and bucket: reduce-scatter (dp-1)/dp of its gradient bytes, all-gather (dp-1)/dp of its parameters
-The demo counts every collective of one step with common.traffic(), each under its group's ranks, and asserts
-these forms (the same function, step_traffic, that then evaluates them for a real model at NVLink and
-InfiniBand bandwidths: formulas checked small, used at scale).
-
-Grids (dp x pp x tp): 1 -> 1x1x1, 2 -> 1x1x2, 3 -> 3x1x1, 4 -> 1x2x2, 8 -> 2x2x2 (tp 2 where it divides W, then
-pp 2 where it divides the rest, dp the rest); GRID=1x4x2 or any other product of W picks another.
-
-    torchrun --nproc-per-node=8 10_3d_parallel.py            (1, 2, 4 ranks too; GRID=dpxppxtp picks the grid)
-    torchrun --nproc-per-node=8 10_3d_parallel.py hidden=8192 layers=80 tp=8 pp=8 dp=16  (the scale table)
+    torchrun --nproc-per-node=8 10_3d_parallel.py     (1-4 ranks too; GRID=dpxppxtp, e.g. GRID=1x4x2; ZERO=3)
+    torchrun --nproc-per-node=1 10_3d_parallel.py hidden=8192 ffn=28672 layers=80 tp=8 pp=8 dp=16 m=16  (70B)
 """
 import contextlib
 import copy
@@ -200,10 +187,10 @@ class GPTStage(nn.Module):
 
 
 def finalize_grads(stage: GPTStage, grid: Grid):
-    """After the last micro-batch, before the DP reduction (Megatron's finalize_model_grads): sum over TP the
-    gradients SP applied to a slice of the sequence (06), and the tied weight's two halves over the embedding
-    group (first + last stage; nothing to do with one stage, where embedding and head are one Parameter).
-    The gradients are where ZeRO-2 adds them up: p.main_grad."""
+    """After the last micro-batch, before the DP reduction: sum over TP the gradients SP applied to a slice of
+    the sequence (06), and the tied weight's two halves over the embedding group (first + last stage; nothing
+    to do with one stage, where embedding and head are one Parameter). Megatron's finalize_model_grads does the
+    same two after its DP reduction (sums: the order is free). The gradients are where 09 adds them: main_grad."""
     seq_par.allreduce_sequence_parallel_grads(stage.parameters(), group=grid.tp)  # reads p.main_grad
     if grid.pp_size > 1 and stage.tied_weight() is not None:
         dist.all_reduce(stage.tied_weight().main_grad, group=grid.embedding)  # a view of a flat bucket: contiguous
@@ -211,7 +198,7 @@ def finalize_grads(stage: GPTStage, grid: Grid):
 
 def train_step(stage, model, comm, ids, targets, before_step=None):
     """One step of this rank: the micro-batches through the pipeline in 1F1B order (08), their gradients added
-    up without DP traffic (no_sync); finalize_grads; ZeRO-2's reduce-scatter, step and all-gather (09). Returns
+    up without DP traffic (no_sync); finalize_grads; ZeRO's reduce-scatter and step (09). Returns
     the mean loss over this replica's micro-batches on the last stage, else None."""
     def loss_fn(logits, target):                                      # mean over the micro-batch's tokens
         return vocab_par.vocab_parallel_cross_entropy(logits, target.t(), group=stage.group)  # [s, b, V/tp]
@@ -222,7 +209,7 @@ def train_step(stage, model, comm, ids, targets, before_step=None):
     if before_step is not None:
         before_step()                                                 # (the demo checks the gradients here)
     model.sync_gradients()                                            # one reduce-scatter per bucket
-    model.step()                                                      # AdamW on this rank's shard, all-gather
+    model.step()                                  # AdamW on this rank's shard (ZeRO-2 then all-gathers it)
     return loss
 
 
@@ -330,7 +317,8 @@ def choose_grid(world):
     dp, pp, tp = map(int, parts)
     if (dp, pp, tp) not in fitting_grids(world):
         return None, (f"GRID={raw}: dp {dp} x pp {pp} x tp {tp} needs dp*pp*tp = {world} ranks, tp dividing heads "
-                      f"{HEADS}, seq {SEQ}, vocab {VOCAB} and ffn {FFN}, pp dividing {LAYERS} layers; these fit: {fits}")
+                      f"{HEADS}, seq {SEQ}, vocab {VOCAB} and ffn {FFN}, pp dividing {LAYERS} layers; these fit: "
+                      f"{fits}")
     return (dp, pp, tp), None
 
 
@@ -370,8 +358,9 @@ def scale_overrides():
     c = {**SCALE, **out}
     split = [k for k in ("hidden", "ffn", "seq", "vocab") if c[k] % c["tp"]]
     if split:
+        fits = " or ".join(str(d) for d in divisors(c, ("hidden", "ffn", "seq", "vocab")))
         return {}, (f"tp={c['tp']} does not divide {', '.join(f'{k}={c[k]}' for k in split)}: tensor parallelism "
-                    f"splits them; tp {' or '.join(str(d) for d in divisors(c, ('hidden', 'ffn', 'seq', 'vocab')))} would")
+                    f"splits them; tp {fits} would")
     if c["layers"] % c["pp"]:
         return {}, (f"pp={c['pp']} does not divide layers={c['layers']}: each stage holds layers/pp of them; pp "
                     f"{' or '.join(str(d) for d in divisors(c, ('layers',)))} would")
@@ -420,8 +409,7 @@ def show_grid(grid, world):
     assert ("embedding" in mine) == (grid.p in ends), (grid.p, mine)  # a middle stage is in no embedding group
     if "embedding" in mine:
         assert [coords(r) for r in mine["embedding"]] == [(grid.d, p, grid.t) for p in ends], mine["embedding"]
-    log("every rank is in one group of each kind, each varying one coordinate; the embedding group: its pipeline's"
-        " first and last stage, none on a middle stage")
+    log("each rank: one group of each kind, varying one coordinate; embedding: first + last stage, none in the middle")
 
 
 def train(grid, device, zero):
@@ -552,8 +540,8 @@ def count_traffic(counted, grid, zero):
     for key in rows:
         cells = [everyone[pipe[s]].get(key, (0, 0)) for s in shown]
         log(f"{key[0]:10} {key[1]:15} " + " ".join(f"{n:>15} {int(b):>11}" for n, b in cells))
-    log(f"every rank: its calls and bytes per (group, collective) == the closed forms (A = {SEQ}x{MICRO}x{HIDDEN}x8 "
-        f"bytes, m = {M}, {LAYERS // grid.pp_size} layers a stage)"
+    log(f"every rank's calls and bytes per (group, collective) == the closed forms (A = {SEQ}x{MICRO}x{HIDDEN}x8, "
+        f"m = {M})"
         + ("; middle stages: no tied-weight all-reduce" if grid.pp_size > 2 else ""))
 
 
@@ -579,8 +567,8 @@ def count_memory(held, model, grid, zero):
     for p, (k_, first, g) in sorted(rows.items()):
         log(f"{p:>5} {g['parameters']:>11} {g['gradients']:>10} {g['optimizer']:>10} {g['activations']:>12}  "
             f"= {k_} x {first} + {g['activations'] - k_ * first}")
-    log(f"every rank == the closed forms: parameters {'1/dp of ' if zero == 3 else ''}the stage's, gradients "
-        f"the stage's + 1/dp, AdamW 2/dp; 1F1B keeps min(pp - stage, m) micro-batches' saved activations")
+    log(f"every rank == the closed forms: parameters {'1/dp of ' if zero == 3 else ''}the stage's, gradients the "
+        f"stage's + 1/dp, AdamW 2/dp; activations min(pp - stage, m) x one")
 
 
 def scale(overrides, zero):
@@ -589,8 +577,8 @@ def scale(overrides, zero):
     c = {**SCALE, **overrides, "zero": zero}
     head(f"the same forms at scale: hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, vocab {c['vocab']}, "
          f"{c['m']} micro-batches of {c['micro']}, dp {c['dp']} x pp {c['pp']} x tp {c['tp']}")
-    log(f"activations {c['e']} bytes an element, gradients {c['eg']}, parameters {c['ep']}; TP on NVLink "
-        f"{c['nvlink_GBps']:g} GB/s, the others on InfiniBand {c['ib_GBps']:g} GB/s (per rank, one direction)")
+    log(f"bytes an element: activations {c['e']}, gradients {c['eg']}, parameters {c['ep']}; TP at "
+        f"{c['nvlink_GBps']:g} GB/s (NVLink), the others {c['ib_GBps']:g} GB/s (InfiniBand)")
     link = {"tp": c["nvlink_GBps"], "pp": c["ib_GBps"], "dp": c["ib_GBps"], "embedding": c["ib_GBps"]}
     stages = sorted({0, c["pp"] - 1})
     per_stage = []
@@ -611,8 +599,8 @@ def scale(overrides, zero):
                                      for n, b in cells))
     log("seconds if nothing overlaps; TP sits on the critical path of every layer, DP can hide behind backward")
     act = 34 * c["seq"] * c["micro"] * c["hidden"] // c["tp"] * c["e"] // 2   # Korthikanti et al. 2022, with SP
-    log(f"GB a rank holds at its peak; activations 34*s*b*h/tp*e/2 = {act / 1e6:.0f} MB a layer and micro-batch "
-        f"(SP, no s^2 scores: flash attention), min(pp - stage, m) micro-batches in flight")
+    log(f"GB held at the peak; activations 34*s*b*h/tp*e/2 = {act / 1e6:.0f} MB a layer and micro-batch (flash: no "
+        f"s^2 term)")
     log(f"{'':10} " + " ".join(f"{f'stage {s}: params':>15} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6}"
                                for s in stages))
     for z in (1, 2, 3):
@@ -620,9 +608,9 @@ def scale(overrides, zero):
         log(f"{f'ZeRO-{z}':10} " + " ".join(f"{d['parameters'] / 1e9:>15.1f} {d['gradients'] / 1e9:>6.1f} "
                                              f"{d['optimizer'] / 1e9:>6.1f} {d['activations'] / 1e9:>6.1f} "
                                              f"{sum(d.values()) / 1e9:>6.1f}" for d in cells))
-    log(f"ZeRO-2 and 3 keep the whole gradient while the {c['m']} micro-batches add up (no_sync); reduce-scattering "
-        f"each micro-batch keeps 1/dp + a bucket for {c['m']} x the reduce-scatter bytes (DeepSpeed's pipeline "
-        f"refuses ZeRO-2/3; Megatron's distributed optimizer is ZeRO-1 with a full fp32 gradient buffer)")
+    log(f"ZeRO-2/3 hold the whole gradient while {c['m']} micro-batches add up; reducing each keeps 1/dp for {c['m']} "
+        f"x the DP bytes:")
+    log("so DeepSpeed's pipeline refuses ZeRO-2/3, and Megatron's distributed optimizer is ZeRO-1 + a full gradient")
 
 
 def main():
@@ -639,8 +627,8 @@ def main():
     count_traffic(counted, grid, zero)
     count_memory(held, model, grid, zero)
     scale(overrides, zero)
-    finish(f"a GPT on dp {grid.dp_size} x pp {grid.pp_size} x tp {grid.tp_size} (SP, vocab-parallel, 1F1B, ZeRO-{zero}) "
-           f"== one process over {STEPS} steps; every group's bytes == the closed forms")
+    finish(f"a GPT on dp {grid.dp_size} x pp {grid.pp_size} x tp {grid.tp_size} (SP, vocab-parallel, 1F1B, "
+           f"ZeRO-{zero}) == one process over {STEPS} steps; bytes sent and held == the closed forms")
 
 
 if __name__ == "__main__":
