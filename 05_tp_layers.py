@@ -358,9 +358,12 @@ def allreduce_sequence_parallel_grads(params, group=None):
     """Sum in one all-reduce the grads of parameters marked `sequence_parallel` (LN weight and bias, fc2's bias):
     under SP each rank applied them to its own slice of the sequence (NVIDIA/Megatron-LM#443). A gradient is read
     from `p.main_grad` where a data-parallel wrapper accumulates it there (Megatron's, and 09's), else `p.grad`."""
-    grads = [g for p in params if getattr(p, "sequence_parallel", False)
-             for g in [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad]
-             if g is not None]
+    grads = []
+    for p in (p for p in params if getattr(p, "sequence_parallel", False)):
+        g = getattr(p, "main_grad", None)           # read once: a wrapper's main_grad may be a property
+        g = p.grad if g is None else g
+        if g is not None:
+            grads.append(g)
     if not grads:
         return
     flat = _reduce(torch.cat([g.flatten() for g in grads]), group)
