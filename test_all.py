@@ -298,7 +298,7 @@ PASTED = {
     "03_allreduce_rs_ag.py": """
         x = torch.arange(8.) * (rank + 1)
         assert torch.equal(m.ring_all_reduce(x.clone()), torch.arange(8.) * 3)
-        y = m.all_gather(x.view(2, 4), dim=1)
+        y = m.gather_from_sequence_parallel_region(x.view(2, 4), dim=1)
         assert torch.equal(y, torch.cat([torch.arange(8.).view(2, 4), 2 * torch.arange(8.).view(2, 4)], 1)), y
     """,
     "04_all_to_all_moe.py": """
@@ -313,12 +313,12 @@ PASTED = {
         torch.testing.assert_close(col(x), dense(x))
     """,
     "06_sequence_parallel.py": """
-        q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64) for _ in range(3))
-        want = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
-                                                                is_causal=True).transpose(1, 2)
-        shard = lambda t: m.zigzag_shard(t, 1)
+        q, k, v = (torch.randn(8, 1, 2, 4) for _ in range(3))           # [s, b, heads, d], sequence first
+        want = torch.nn.functional.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
+                                                                is_causal=True).permute(2, 0, 1, 3)
+        shard = lambda t: m.zigzag_shard(t, 0)
         out = m.ring_attention(shard(q), shard(k), shard(v), is_causal=True)
-        torch.testing.assert_close(m.zigzag_unshard(out, 1), want)
+        torch.testing.assert_close(m.zigzag_unshard(out, 0), want)
     """,
     "07_vocab_parallel.py": """
         logits = torch.randn(5, 8, dtype=torch.float64)
@@ -614,6 +614,10 @@ def traced(script, tmp_path, world=2):
     events = json.loads(files[0].read_text())["traceEvents"]
     rows = {(e["pid"], e["args"]["name"]) for e in events if e.get("name") == "process_name"}
     assert rows == {(r, f"rank {r}") for r in range(world)}, rows
+    flows = {}                                         # a flow arrow (op -> its backward) stays within one rank
+    for e in events:
+        if e.get("ph") in ("s", "t", "f"):
+            assert flows.setdefault(e["id"], e["pid"]) == e["pid"], e
     titles = [ln[3:] for ln in run_.outs[0].splitlines() if ln.startswith("== ")]
     assert titles, run_.report()
     for r in range(world):
@@ -641,13 +645,19 @@ def test_trace_of_08_shows_every_op_of_each_schedule_in_order(tmp_path, script="
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
     fns = (m.schedule_1f1b, m.schedule_interleaved_1f1b, m.schedule_zb_h1)  # what timelines() runs, m = 4
-    for stage in (0, 1):
-        [section] = spans(events, stage, r"timelines.*", "main thread")
+    sections = [spans(events, stage, r"timelines.*", "main thread") for stage in (0, 1)]
+    for stage, [section] in enumerate(sections):
         ops = [e["name"] for e in spans(events, stage, r"[FBW] mb\d+ c\d+", "main thread")
                if section["ts"] <= e["ts"] <= section["ts"] + section["dur"]]
         want = [f"{o[0]} mb{o[1]} c{o[2] if len(o) > 2 else 0}" for fn in fns for o in m.schedule(fn, m.V)(2, stage, 4)]
         assert ops == want, (stage, ops, want)
         assert spans(events, stage, r"gloo:send") and spans(events, stage, r"gloo:recv"), stage
+    # one clock for both rows: stage 1's forward of a micro-batch starts after stage 0's forward of it ended
+    first = lambda stage, name: next(e for e in spans(events, stage, name, "main thread")
+                                     if e["ts"] >= sections[stage][0]["ts"])   # in its 1F1B run
+    for mb in range(4):
+        f0 = first(0, f"F mb{mb} c0")
+        assert first(1, f"F mb{mb} c0")["ts"] >= f0["ts"] + f0["dur"], mb
 
 
 def test_trace_of_09_shows_all_reduces_under_backward(tmp_path):
@@ -678,17 +688,17 @@ def test_two_stuck_ranks_are_both_named(tmp_path):
     assert re.search(r"Ranks 1, 3 failed to pass monitoredBarrier", run_.errs[0]), run_.report()
 
 
-def test_bad_nproc_is_one_line():
+def test_bad_nproc_is_one_line(tmp_path):
     """`python FILE` with an NPROC that is not a number of processes >= 1: one line naming it, exit 2, no torchrun
-    (empty means the default, 4, as for BACKEND and PG_TIMEOUT)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    code = textwrap.dedent("""
+    (empty means the default, 4, as for BACKEND and PG_TIMEOUT). Run in one forked process, torchrun's variables
+    removed, the relaunch (os.execv) recorded instead of run."""
+    probe = _script(tmp_path, """
         import os, sys
+        for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            del os.environ[v]
         sys.argv = ["01_p2p.py"]
-        sys.path.insert(0, ".")
         import common
-        os.execv = lambda exe, args: print("execv", *args[1:5])   # the relaunch, not run
+        os.execv = lambda exe, args: print("execv", *args[1:5])
         for nproc in ["0", "-1", "two", "1.5", "", " 2 "]:
             os.environ["NPROC"] = nproc
             try:
@@ -696,13 +706,13 @@ def test_bad_nproc_is_one_line():
             except SystemExit as e:
                 print("exit", e.code)
     """)
-    p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, env=env, timeout=60)
+    run_ = launch(probe, 1, real_exit=False)
     refused = [f"01_p2p.py: NPROC={v!r} is not a number of processes (a whole number >= 1)"
                for v in ["0", "-1", "two", "1.5"]]
-    assert p.stderr.splitlines() == refused, p.stderr
-    out = [ln for ln in p.stdout.splitlines() if not ln.startswith("not started by torchrun")]
+    assert run_.codes == [0] and run_.errs[0].splitlines() == refused, run_.report()
+    out = [ln for ln in run_.outs[0].splitlines() if not ln.startswith("not started by torchrun")]
     assert out == ["exit 2"] * 4 + ["execv -m torch.distributed.run --standalone --nproc-per-node=4",
-                                    "execv -m torch.distributed.run --standalone --nproc-per-node=2"], p.stdout
+                                    "execv -m torch.distributed.run --standalone --nproc-per-node=2"], run_.report()
 
 
 def test_log_all_on_a_sub_group(tmp_path):
@@ -759,6 +769,51 @@ def test_09_readme_training_script_runs(tmp_path):
     check_passed(launch(probe, 2, {"CKPT": str(tmp_path / "ckpt")}, real_exit=False))
     assert (tmp_path / "ckpt" / "optim.1.pt").exists()
 
+
+# ---- 10: grids and composition ----
+TEN = "10_3d_parallel.py"
+
+
+@pytest.mark.parametrize("world, env, shown", [
+    (8, {"GRID": "1x4x2"}, "middle stages: no tied-weight all-reduce"),       # pp 4: stages 1 and 2 are middle
+    (4, {"GRID": "1x4x1"}, "middle stages: no tied-weight all-reduce"),
+    (8, {"ZERO": "3"}, "dp 2 x pp 2 x tp 2 (SP, vocab-parallel, 1F1B, ZeRO-3)")])
+def test_10_middle_stages_and_zero3(world, env, shown):
+    """10 on grids with middle pipeline stages (it asserts they are in no embedding group and join no tied-weight
+    all-reduce) and with ZeRO-3 over dp 2 (equal to one process, traffic and bytes held == its closed forms)."""
+    run_ = launch(TEN, world, extra_env=env, real_exit=False)
+    check_passed(run_)
+    assert shown in run_.outs[0], run_.report()
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"SCALE": "tp=0"}, "tp=0"), ({"SCALE": "pp=0"}, "pp=0"), ({"SCALE": "bucket=0"}, "bucket=0"),
+    ({"SCALE": "m=0"}, "m=0"), ({"SCALE": "hidden=4096.7"}, "hidden=4096.7"), ({"SCALE": "tp=3"}, "tp=3"),
+    ({"SCALE": "ib_GBps=0"}, "ib_GBps=0"), ({"SCALE": "hidden=4096 layers=32 ... tp=8 pp=4 dp=8"}, "'...'"),
+    ({"GRID": "-2x-1x1"}, "GRID='-2x-1x1'"), ({"GRID": "1x1x3"}, "GRID=1x1x3"), ({"ZERO": "4"}, "ZERO='4'")])
+def test_10_bad_input_is_one_line_on_every_rank(env, named):
+    """A bad command-line value (SCALE= reads the same key=value pairs) or GRID/ZERO: every rank says in one line
+    which value and what would fit, exit 2, within seconds, before any work."""
+    run_ = launch(TEN, 2, extra_env=env, real_exit=False)
+    assert run_.codes == [2, 2] and run_.seconds < 10, run_.report()
+    assert all(len(e.strip().splitlines()) == 1 and REFUSED.match(e) and named in e for e in run_.errs), run_.report()
+    assert not any(run_.outs), run_.report()                       # refused before any work: nothing printed
+
+
+def test_10_readme_example_changes_the_scale_tables():
+    """README's command line for 10, as written there, is accepted and changes what the scale tables say."""
+    line = next(ln for ln in (HERE / "README.md").read_text().splitlines() if f"{TEN} hidden=" in ln)
+    args = line.split(TEN, 1)[1].split("`")[0].split()
+    runs = {key: launch(TEN, 1, extra_env={"SCALE": " ".join(a)}, real_exit=False) for key, a in
+            (("default", []), ("readme", args))}
+    for run_ in runs.values():
+        check_passed(run_)
+    scale = {k: r.outs[0].split("at scale", 1)[1] for k, r in runs.items()}
+    assert scale["default"] != scale["readme"], scale["readme"]
+    shown = {"hidden": "hidden {}", "layers": "{} layers", "seq": "seq {}", "vocab": "vocab {}", "dp": "dp {}",
+             "pp": "pp {}", "tp": "tp {}", "m": "{} micro-batches"}
+    for key, value in (arg.split("=") for arg in args):              # each value shows in the scale tables' head
+        assert key not in shown or shown[key].format(value) in scale["readme"], (key, value, scale["readme"])
 
 if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
     _zygote()
