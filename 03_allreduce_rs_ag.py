@@ -283,6 +283,7 @@ def section_ring(rank, W, f64, groups):
             assert len(sent) == 2 * (G - 1) and rs_b == (V - chunk[r]) * e and ag_b == (V - chunk[(r + 1) % G]) * e
             assert abs(rs_b - ring_bytes("reduce_scatter", V * e, G)) < e
             assert abs(ag_b - ring_bytes("all_gather", V * e, G)) < e
+            assert abs(rs_b + ag_b - ring_bytes("all_reduce", V * e, G)) < 2 * e
             # the order this rank posted its sends (to r+1) and receives (from r-1), replayed as blocking ops
             posts = [None] * G
             dist.all_gather_object(posts, [kind for kind, _, _ in t.calls], group=group)
