@@ -458,6 +458,7 @@ def train(grid, device, zero):
 def saved_activations(stage, readings):
     """Inside: after every forward of `stage`, append the bytes of the tensors autograd keeps for backward that
     are still alive (parameters left out): the activations of the micro-batches in flight, measured."""
+    import gc
     from torch.multiprocessing.reductions import StorageWeakRef
     params = {p.untyped_storage()._cdata for p in stage.parameters()}
     refs = {}
@@ -469,6 +470,7 @@ def saved_activations(stage, readings):
         return t
 
     def live(*_):
+        gc.collect()           # what is still reachable: a reference cycle (08's runner leaves one) is not kept
         for key, ref in list(refs.items()):
             if ref.expired():
                 del refs[key]
@@ -552,9 +554,6 @@ def count_memory(held, model, grid, zero):
     k = min(grid.pp_size - grid.p, M)                                 # 1F1B: micro-batches in flight on stage p
     c["act_stage"] = held["first"]                                    # one micro-batch's on this stage, measured
     want = step_memory(c, grid.p, zero, numel)
-    # 08's runner keeps the output of the micro-batch it last backpropagated until the next forward ends, and
-    # through its graph that micro-batch's received input (a leaf): one [s/tp, b, h] message more, stages > 0
-    want["activations"] += 0 if grid.is_first else SEQ // grid.tp_size * MICRO * HIDDEN * 8
     got = {key: held[key] for key in want}
     assert held["first"] > 0 and got == want, (dist.get_rank(), got, want)
     everyone = [None] * dist.get_world_size()
@@ -562,11 +561,10 @@ def count_memory(held, model, grid, zero):
     rows = {}
     for p, k_, first, g in everyone:                                  # TP rank 0 of replica 0 speaks for a stage
         rows.setdefault(p, (k_, first, g))
-    log(f"{'stage':>5} {'parameters':>11} {'gradients':>10} {'optimizer':>10} {'activations':>12}  = in flight x one"
-        f" + 08's last input")
+    log(f"{'stage':>5} {'parameters':>11} {'gradients':>10} {'optimizer':>10} {'activations':>12}  = in flight x one")
     for p, (k_, first, g) in sorted(rows.items()):
         log(f"{p:>5} {g['parameters']:>11} {g['gradients']:>10} {g['optimizer']:>10} {g['activations']:>12}  "
-            f"= {k_} x {first} + {g['activations'] - k_ * first}")
+            f"= {k_} x {first}")
     log(f"every rank == the closed forms: parameters {'1/dp of ' if zero == 3 else ''}the stage's, gradients the "
         f"stage's + 1/dp, AdamW 2/dp; activations min(pp - stage, m) x one")
 
@@ -610,7 +608,7 @@ def scale(overrides, zero):
                                              f"{sum(d.values()) / 1e9:>6.1f}" for d in cells))
     log(f"ZeRO-2/3 hold the whole gradient while {c['m']} micro-batches add up; reducing each keeps 1/dp for {c['m']} "
         f"x the DP bytes:")
-    log("so DeepSpeed's pipeline refuses ZeRO-2/3, and Megatron's distributed optimizer is ZeRO-1 + a full gradient")
+    log("(DeepSpeed's pipeline engine takes ZeRO-1 at most; Megatron's distributed optimizer is ZeRO-1 + full grads)")
 
 
 def main():
