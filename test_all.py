@@ -788,9 +788,9 @@ def test_10_middle_stages_and_zero3(world, env, shown):
 
 @pytest.mark.parametrize("env, named", [
     ({"SCALE": "tp=0"}, "tp=0"), ({"SCALE": "pp=0"}, "pp=0"), ({"SCALE": "bucket=0"}, "bucket=0"),
-    ({"SCALE": "m=0"}, "m=0"), ({"SCALE": "hidden=4096.7"}, "hidden=4096.7"), ({"SCALE": "tp=3"}, "tp=3"),
-    ({"SCALE": "ib_GBps=0"}, "ib_GBps=0"), ({"SCALE": "hidden=4096 layers=32 ... tp=8 pp=4 dp=8"}, "'...'"),
-    ({"GRID": "-2x-1x1"}, "GRID='-2x-1x1'"), ({"GRID": "1x1x3"}, "GRID=1x1x3"), ({"ZERO": "4"}, "ZERO='4'")])
+    ({"SCALE": "m=0"}, "m=0"), ({"SCALE": "hidden=4096.7"}, "hidden=4096.7"),
+    ({"SCALE": "hidden=4096 layers=32 ... tp=8 pp=4 dp=8"}, "'...'"), ({"GRID": "-2x-1x1"}, "GRID='-2x-1x1'"),
+    ({"ZERO": "4"}, "ZERO='4'")])
 def test_10_bad_input_is_one_line_on_every_rank(env, named):
     """A bad command-line value (SCALE= reads the same key=value pairs) or GRID/ZERO: every rank says in one line
     which value and what would fit, exit 2, within seconds, before any work."""
@@ -800,20 +800,18 @@ def test_10_bad_input_is_one_line_on_every_rank(env, named):
     assert not any(run_.outs), run_.report()                       # refused before any work: nothing printed
 
 
-def test_10_readme_example_changes_the_scale_tables():
-    """README's command line for 10, as written there, is accepted and changes what the scale tables say."""
+def test_10_readme_example_sets_the_scale_tables():
+    """README's command line for 10, as written there, is accepted and the scale tables follow its values."""
     line = next(ln for ln in (HERE / "README.md").read_text().splitlines() if f"{TEN} hidden=" in ln)
     args = line.split(TEN, 1)[1].split("`")[0].split()
-    runs = {key: launch(TEN, 1, extra_env={"SCALE": " ".join(a)}, real_exit=False) for key, a in
-            (("default", []), ("readme", args))}
-    for run_ in runs.values():
-        check_passed(run_)
-    scale = {k: r.outs[0].split("at scale", 1)[1] for k, r in runs.items()}
-    assert scale["default"] != scale["readme"], scale["readme"]
+    run_ = launch(TEN, 1, extra_env={"SCALE": " ".join(args)}, real_exit=False)
+    check_passed(run_)
+    scale = run_.outs[0].split("at scale", 1)[1]
     shown = {"hidden": "hidden {}", "layers": "{} layers", "seq": "seq {}", "vocab": "vocab {}", "dp": "dp {}",
              "pp": "pp {}", "tp": "tp {}", "m": "{} micro-batches"}
     for key, value in (arg.split("=") for arg in args):              # each value shows in the scale tables' head
-        assert key not in shown or shown[key].format(value) in scale["readme"], (key, value, scale["readme"])
+        assert key not in shown or shown[key].format(value) in scale, (key, value, scale)
+
 
 if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
     _zygote()
