@@ -45,44 +45,58 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-# ---- building blocks (torch only) ---------------------------------------------------------------------
+# ---- building blocks: private helpers (Megatron's mappings.py), each a no-op on a group of one rank ------------
 # torch 2.13 renamed these two collectives (the old names warn there); older torch has only the old names
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def vocab_range(vocab_size: int, group=None):
-    """Rows [start, end) of a vocabulary of `vocab_size` that this rank of `group` holds."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if vocab_size % world:
-        raise ValueError(f"vocab_size={vocab_size} is not divisible by the tensor-parallel size {world}")
-    per_rank = vocab_size // world
-    return rank * per_rank, (rank + 1) * per_rank
+def _divide(what: str, value: int, group) -> int:
+    size = dist.get_world_size(group)
+    if value % size:
+        raise ValueError(f"{what}={value} is not divisible by the group size {size}")
+    return value // size
 
 
-# private helpers (Megatron's mappings.py); a group of one rank gets its input back
-def _reduce(x, group, op=dist.ReduceOp.SUM):
-    """x reduced over the group (SUM, or MAX) into a new tensor; the caller's x is left alone. As in 05."""
+def _reduce(x, group):
+    """Sum of x over the group; the caller's tensor is left alone."""
     if dist.get_world_size(group) == 1:
         return x
     x = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(x, op=op, group=group)
+    dist.all_reduce(x, group=group)
     return x
 
 
-def _gather_along_new_first_dim(x, group):
-    """Every rank's x, stacked in group-rank order: (W, *x.shape)."""
+def _gather_along_dim(x, dim, group, async_op=False):
+    """Every rank's x, concatenated along `dim` in rank order. async_op: (out, works), out valid after the wait."""
     size = dist.get_world_size(group)
     if size == 1:
-        return x.unsqueeze(0)
-    out = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
-    all_gather_single(out, x.contiguous().view(-1), group=group)
-    return out.view(size, *x.shape)
+        return (x, []) if async_op else x
+    front = x.movedim(dim, 0).contiguous()                     # along dim 0 each rank's block is contiguous
+    out = front.new_empty((size * front.shape[0], *front.shape[1:]))
+    work = all_gather_single(out, front, group=group, async_op=async_op)
+    out = out.movedim(0, dim)
+    return (out, [work]) if async_op else out
 
 
+def _reduce_scatter_along_dim(x, dim, group, async_op=False):
+    """Chunk r along `dim` of the sum over the group, on rank r. async_op: (out, works)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return (x, []) if async_op else x
+    _divide(f"x.shape[{dim}]", x.shape[dim], group)
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    work = reduce_scatter_single(out, front, group=group, async_op=async_op)
+    out = out.movedim(0, dim)
+    return (out, [work]) if async_op else out
+
+
+# ---- building blocks: regions, one autograd.Function per operator (group=None: the world) ----------------------
 class _CopyToModelParallelRegion(torch.autograd.Function):
-    """forward: identity; backward: all-reduce (the f operator). As in 05."""
+    """forward: identity; backward: all-reduce (the f operator)."""
     @staticmethod
-    def forward(ctx, x, group=None):
+    def forward(ctx, x, group):
         ctx.group = group
         return x
 
@@ -92,9 +106,9 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
-    """forward: all-reduce; backward: identity (the g operator, conjugate of f). As in 05."""
+    """forward: all-reduce; backward: identity (the g operator, f's conjugate)."""
     @staticmethod
-    def forward(ctx, x, group=None):
+    def forward(ctx, x, group):
         return _reduce(x, group)
 
     @staticmethod
@@ -102,9 +116,40 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-# Megatron's public names, each called as name(x, group=None); as in 05
-copy_to_tensor_model_parallel_region = _CopyToModelParallelRegion.apply
-reduce_from_tensor_model_parallel_region = _ReduceFromModelParallelRegion.apply
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """forward: reduce-scatter along dim; backward: all-gather along dim."""
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter_along_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_along_dim(grad, ctx.dim, ctx.group), None, None
+
+
+# Megatron's public names. The sequence-parallel regions cut dim 0, the sequence of Megatron's [s, b, h]; a
+# batch-first [b, s, h] caller passes dim=1. f and g act on the whole tensor.
+def copy_to_tensor_model_parallel_region(x, group=None):
+    return _CopyToModelParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x, group=None):
+    return _ReduceFromModelParallelRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group=None, *, dim=0):
+    return _ReduceScatterToSequenceParallelRegion.apply(x, dim, group)
+
+
+# ---- building blocks: the vocabulary-parallel embedding, LM head and loss ---------------------------------------
+def vocab_range(vocab_size: int, group=None):
+    """Rows [start, end) of a vocabulary of `vocab_size` that this rank of `group` holds."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if vocab_size % world:
+        raise ValueError(f"vocab_size={vocab_size} is not divisible by the tensor-parallel size {world}")
+    per_rank = vocab_size // world
+    return rank * per_rank, (rank + 1) * per_rank
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -115,36 +160,46 @@ class VocabParallelEmbedding(nn.Module):
                                       rank 2 (rows 24-35) -> [0,   0,   0 ]   ---------->  on every rank
                                       rank 3 (rows 36-47) -> [0,   0,  e40]
     Backward: `g`'s backward is the identity; each rank's rows receive the grads of the ids it holds, locally.
+    sequence_parallel=True (Megatron's reduce_scatter_embeddings): ids are [s, b], the sequence first, and the
+    partial [s, b, D] is reduce-scattered along s instead: rank i gets rows [i*s/W, (i+1)*s/W) of the sum, the
+    [s/W, b, D] slice a sequence-parallel layer takes (06); backward all-gathers dL/dout along s.
     Ids outside [0, V) come out as zero rows (nn.Embedding raises instead).
     Initialised N(0, 1) like nn.Embedding from each rank's RNG; use from_dense() to match a dense table.
     """
 
-    def __init__(self, num_embeddings, embedding_dim, group=None, device=None, dtype=None):
+    def __init__(self, num_embeddings, embedding_dim, group=None, device=None, dtype=None, *,
+                 sequence_parallel=False):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        self.sequence_parallel = sequence_parallel
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, group)
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim,
                                                device=device, dtype=dtype))  # (V/W, D)
         nn.init.normal_(self.weight)
 
     @classmethod
-    def from_dense(cls, embedding: nn.Embedding, group=None):
+    def from_dense(cls, embedding: nn.Embedding, group=None, *, sequence_parallel=False):
         """This rank's rows of a dense nn.Embedding."""
         if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.scale_grad_by_freq \
                 or embedding.sparse:
             raise ValueError("from_dense copies plain embeddings only "
                              "(padding_idx=None, max_norm=None, scale_grad_by_freq=False, sparse=False)")
         w = embedding.weight  # built on "meta", then allocated: no random init, so every rank's RNG stays in step
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device="meta", dtype=w.dtype)
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device="meta", dtype=w.dtype,
+                    sequence_parallel=sequence_parallel)
         layer = layer.to_empty(device=w.device)
         with torch.no_grad():
             layer.weight.copy_(w[layer.vocab_start:layer.vocab_end])
         return layer
 
     def forward(self, ids):
+        if self.sequence_parallel:  # checked before any work: every rank must get an equal slice of s
+            _divide("the sequence length ids.shape[0]", ids.shape[0] if ids.dim() else 0, self.group)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # ids another rank holds
         local = (ids - self.vocab_start).masked_fill(outside, 0)      # any valid row; zeroed below
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (..., D) partial
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, self.group)  # [s/W, b, D] of the sum
         return reduce_from_tensor_model_parallel_region(out, self.group)
 
 
@@ -164,48 +219,70 @@ def _target_columns(target, per_rank, rank):
     return held, (target - start).masked_fill(~held, 0)
 
 
+def _row_chunks(x, chunk_numel):
+    """Slices along dim 0 of x, each of at most chunk_numel elements but at least one row; all of x when None."""
+    n = x.shape[0]
+    rows = n if chunk_numel is None else max(1, chunk_numel // (x[0].numel() if n else 1))
+    return [slice(i, min(i + rows, n)) for i in range(0, max(n, 1), max(rows, 1))]
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """forward: one all-gather of 3 numbers per token, merged by log-sum-exp; backward: local, no communication."""
 
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, group):
+    def forward(ctx, logits, target, label_smoothing, ignore_index, group, chunk_numel):
         eps, world, rank = label_smoothing, dist.get_world_size(group), dist.get_rank(group)
-        per_rank = logits.size(-1)
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))    # fp32 inside; never written to
+        per_rank, dtype = logits.size(-1), torch.promote_types(logits.dtype, torch.float32)  # fp32 inside
         valid = target != ignore_index                                     # the others: loss 0 and grad 0, below
         held, local_target = _target_columns(target, per_rank, rank)
         owner = target.masked_fill(~valid, 0).div(per_rank, rounding_mode="floor")  # the rank holding the target
         # this rank's 3 numbers per token, each relative to its own max m_i (no exp overflows)
-        m = z.amax(dim=-1)                                                 # (...,)
-        shifted = z - m.unsqueeze(-1)                                      # (..., V/W) new: the input stays as is
-        s = shifted.exp().sum(dim=-1)                                      # sum of exp(z - m_i) over the slice
-        c = (1 - eps) * shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~held, 0.0)
-        if eps:  # + eps/V * (sum of the slice's z - m_i): linear, so it rides in c
-            c = c + (eps / (per_rank * world)) * shifted.sum(dim=-1)
-        m_all, s_all, c_all = _gather_along_new_first_dim(torch.stack([m, s, c]), group).unbind(1)  # (W, ...) each
+        m = logits.amax(dim=-1).to(dtype)                                  # (...,) max is exact in any dtype
+        c = (1 - eps) * (logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).to(dtype) - m)
+        c = c.masked_fill(~held, 0.0)                                      # z_t - m_i where t is held here
+        s = torch.empty_like(m)                                            # sum of exp(z - m_i) over the slice
+        chunks = _row_chunks(logits, chunk_numel)                          # a few rows at a time: the input is
+        work = logits.new_empty((chunks[0].stop, *logits.shape[1:]), dtype=dtype)  # never copied whole
+        for rows in chunks:
+            shifted = torch.sub(logits[rows], m[rows].unsqueeze(-1), out=work[:rows.stop - rows.start])
+            if eps:  # + eps/V * (sum of the slice's z - m_i): linear, so it rides in c
+                c[rows] += (eps / (per_rank * world)) * shifted.sum(dim=-1)
+            torch.sum(shifted.exp_(), dim=-1, out=s[rows])
+        del work, shifted
+        m_all, s_all, c_all = _gather_along_dim(torch.stack([m, s, c]), 0, group).view(world, 3, *m.shape).unbind(1)
         # the log-sum-exp merge. loss = logsumexp(z) - (1-eps) z_target - eps/V sum(z); write each z as
         # (z - m_i) + (m_i - M) + M: the M's cancel, the (z - m_i) are in s and c, the (m_i - M) are below
         rel = m_all - m_all.amax(dim=0)                                    # (W, ...) m_i - M <= 0
         log_s = (s_all * rel.exp()).sum(dim=0).log()                       # log sum over all V of exp(z - M)
         loss = (log_s - c_all.sum(dim=0) - (1 - eps) * rel.gather(0, owner.unsqueeze(0)).squeeze(0)
-                - (eps / world) * rel.sum(dim=0))                         # raises if a target is outside [0, V)
-        # backward recomputes the softmax exp(z - m - d) from the logits: no (N, V/W) fp32 copy is kept
-        ctx.save_for_backward(logits, m, log_s - rel[rank], held, local_target, valid)
-        ctx.label_smoothing, ctx.vocab = eps, per_rank * world
+                - (eps / world) * rel.sum(dim=0))
+        # backward recomputes softmax = exp(z - lse) from the logits: no (..., V/W) tensor is kept
+        ctx.save_for_backward(logits, m + log_s - rel[rank], held, local_target, valid)  # lse = M + log S
+        ctx.label_smoothing, ctx.vocab, ctx.chunk_numel = eps, per_rank * world, chunk_numel
         return loss.masked_fill(~valid, 0.0)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, m, d, held, local_target, valid = ctx.saved_tensors
+        logits, lse, held, local_target, valid = ctx.saved_tensors
         eps = ctx.label_smoothing
-        # dloss/dz = softmax - (1 - eps) * one_hot - eps / V, on this rank's V/W columns only
-        grad = (logits.to(m.dtype) - m.unsqueeze(-1) - d.unsqueeze(-1)).exp_().sub_(eps / ctx.vocab)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), (-(1.0 - eps) * held.to(grad.dtype)).unsqueeze(-1))
-        grad.mul_(torch.where(valid, grad_loss, 0.0).unsqueeze(-1))   # where: 0 even for an inf grad (mean of none)
-        return grad.to(logits.dtype), None, None, None, None
+        # dloss/dz = (softmax - (1 - eps) * one_hot - eps / V) * grad_loss, on this rank's V/W columns only
+        scale = torch.where(valid, grad_loss, 0.0).to(lse.dtype)     # where: 0 even for an inf grad (mean of none)
+        hit = (-(1.0 - eps) * held.to(lse.dtype)).unsqueeze(-1)       # the one_hot's term, where t is held here
+        grad = torch.empty_like(logits)  # the one (..., V/W) tensor, laid out as the logits are (a view's too)
+        chunks = _row_chunks(logits, ctx.chunk_numel)
+        work = None if grad.dtype == lse.dtype else grad.new_empty((chunks[0].stop, *grad.shape[1:]), dtype=lse.dtype)
+        for rows in chunks:  # fp32 math into grad's rows (or a work buffer of rows, then rounded once into them)
+            g = grad[rows] if work is None else work[:rows.stop - rows.start]
+            torch.sub(logits[rows], lse[rows].unsqueeze(-1), out=g).exp_().sub_(eps / ctx.vocab)
+            g.scatter_add_(-1, local_target[rows].unsqueeze(-1), hit[rows]).mul_(scale[rows].unsqueeze(-1))
+            if work is not None:
+                grad[rows] = g
+        return grad, None, None, None, None, None
 
 
-def _check_loss_args(logits, target, label_smoothing, reduction):
+def _check_loss_args(logits, target, label_smoothing, reduction, vocab, ignore_index):
+    """Arguments checked before any work, on every rank and without communication: target is the same on every
+    rank, so each finds the same bad value alone."""
     if target.shape != logits.shape[:-1] or target.is_floating_point():
         raise ValueError(f"target must hold class indices of shape {tuple(logits.shape[:-1])} (the logits' shape "
                          f"without the vocab dimension); got {target.dtype} {tuple(target.shape)}")
@@ -213,6 +290,14 @@ def _check_loss_args(logits, target, label_smoothing, reduction):
         raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1]")
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"reduction={reduction!r}; use 'none', 'mean' or 'sum'")
+    bad = (target < 0) | (target >= vocab)
+    if ignore_index is not None:
+        bad &= target != ignore_index
+    if bad.any():  # one small local reduction (a host sync on a GPU); F.cross_entropy asserts in its kernel
+        where = bad.nonzero()[0].tolist()
+        also = "" if ignore_index is None else f" or ignore_index={ignore_index}"
+        raise ValueError(f"target{where or ''}={target[tuple(where)].item()} is not a class of the vocabulary: "
+                         f"classes lie in [0, {vocab}){also}")
 
 
 def _reduce_loss(loss, valid, reduction, dtype):
@@ -225,15 +310,25 @@ def _reduce_loss(loss, valid, reduction, dtype):
 
 
 def vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0, group=None, ignore_index=-100,
-                                 reduction="mean"):
+                                 reduction="mean", *, chunk_numel="auto"):
     """F.cross_entropy(full_logits, target, label_smoothing=..., ignore_index=..., reduction=...) from this
     rank's (..., V/W) slice of the full logits, with one all-gather of 3 numbers per token and nothing in
-    backward. target (...) holds classes in [0, V) or ignore_index (loss 0, gradient 0); reduction "mean"
-    (the default, as F.cross_entropy's) averages over the tokens not ignored, "sum" adds, "none" gives the
-    per-token loss (Megatron's). Computed in fp32 at least; the loss and the gradient come in the logits'
-    dtype. Every rank of `group` returns the same loss; the caller's logits are never modified."""
-    _check_loss_args(logits, target, label_smoothing, reduction)
-    loss = _VocabParallelCrossEntropy.apply(logits, target, float(label_smoothing), ignore_index, group)
+    backward. target (...) holds classes in [0, V) or ignore_index (loss 0, gradient 0), else ValueError;
+    reduction "mean" (the default, as F.cross_entropy's) averages over the tokens not ignored, "sum" adds, "none"
+    gives the per-token loss (Megatron's). Computed in fp32 at least; the loss and the gradient come in the
+    logits' dtype. Every rank of `group` returns the same loss; the caller's logits are never modified.
+    Memory: besides the logits, dlogits in backward and a work buffer of chunk_numel elements (fp32), the rows of
+    dim 0 it takes at a time (None: all). "auto": 2**20 on the CPU, where a fresh large buffer costs more than
+    the math; an eighth of the rows elsewhere, where each chunk costs kernel launches."""
+    _check_loss_args(logits, target, label_smoothing, reduction, logits.size(-1) * dist.get_world_size(group),
+                     ignore_index)
+    if logits.dim() == 1:  # one token, unbatched, as F.cross_entropy takes it
+        return vocab_parallel_cross_entropy(logits.unsqueeze(0), target.unsqueeze(0), label_smoothing, group,
+                                            ignore_index, reduction, chunk_numel=chunk_numel).squeeze(0)
+    if chunk_numel == "auto":
+        row = logits[0].numel() if len(logits) else 1
+        chunk_numel = 2 ** 20 if logits.device.type == "cpu" else -(-len(logits) // 8) * row
+    loss = _VocabParallelCrossEntropy.apply(logits, target, float(label_smoothing), ignore_index, group, chunk_numel)
     return _reduce_loss(loss, target != ignore_index, reduction, logits.dtype)
 
 
@@ -245,7 +340,9 @@ class _MegatronVocabParallelCrossEntropy(torch.autograd.Function):
         eps, per_rank = label_smoothing, logits.size(-1)
         vocab = per_rank * dist.get_world_size(group)
         z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        m = _reduce(z.amax(dim=-1), group, dist.ReduceOp.MAX)               # (...,) global max: exp never overflows
+        m = z.amax(dim=-1)                                                 # (...,) global max: exp never overflows
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         shifted = z - m.unsqueeze(-1)                                      # (..., V/W) new: the input stays as is
         exp = shifted.exp()
         sum_exp = _reduce(exp.sum(dim=-1), group)                          # (...,) S over all V columns
@@ -272,16 +369,18 @@ class _MegatronVocabParallelCrossEntropy(torch.autograd.Function):
 def megatron_vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0, group=None, reduction="mean"):
     """The same loss in Megatron-LM's form, three all-reduces of N numbers; targets in [0, V) (no ignore_index).
     Otherwise as vocab_parallel_cross_entropy."""
-    _check_loss_args(logits, target, label_smoothing, reduction)
+    _check_loss_args(logits, target, label_smoothing, reduction, logits.size(-1) * dist.get_world_size(group), None)
     loss = _MegatronVocabParallelCrossEntropy.apply(logits, target, float(label_smoothing), group)
     return _reduce_loss(loss, torch.ones_like(target, dtype=torch.bool), reduction, logits.dtype)
 
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, launched_world_size, log, log_all, refuse, setup, traffic
+    from common import finish, head, launched_world_size, log, log_all, memory, refuse, setup, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
+import time
+import types
 
 V, D, B, T = 384, 16, 2, 12  # V/W rows per rank > 3W numbers per token gathered, for W up to 8; N = B*T
 N = B * T
@@ -360,11 +459,12 @@ def check_regions(group, device):
     torch.testing.assert_close(leaf.grad, x * (w * (w + 1) / 2))
 
 
-def check_loss(loss_fn, z, target, group=None, **options):
-    """loss_fn on this rank's slice of z (B, T, V), handed over as a non-contiguous view, against F.cross_entropy
-    on all of z in float64: the loss and dlogits under a non-uniform upstream grad, in z's dtype within TOL.
-    Also: every rank's loss is the same, the input is untouched, no tensor exceeds N x V/W elements.
-    Returns the loss and the forward's traffic."""
+def check_loss(loss_fn, z, target, group=None, chunk_numel="auto", keeps=None, **options):
+    """loss_fn on this rank's slice of z (B, T, V), handed over in Megatron's [s, b] order as a non-contiguous
+    (T, B, V/W) view, against F.cross_entropy on all of z in float64: the loss and dlogits under a non-uniform
+    upstream grad, in z's dtype within TOL. Also: every rank's loss is the same, the input is untouched, no
+    tensor exceeds N x V/W elements. Returns the loss, the forward's traffic and the bytes it held (common.memory): its
+    forward's peak, what it kept for backward (the loss aside; `keeps`: what it should keep) and its backward's peak."""
     w, r = dist.get_world_size(group), dist.get_rank(group)
     lo, hi = r * V // w, (r + 1) * V // w
     full = z.detach().double().requires_grad_()
@@ -372,21 +472,31 @@ def check_loss(loss_fn, z, target, group=None, **options):
     ref = ref.view(B, T) if ref.dim() else ref
     upstream = torch.randint(1, 9, ref.shape, device=z.device) / 8   # exact in every dtype
     (ref * upstream).sum().backward()
-    leaf = z[..., lo:hi].transpose(0, 1).contiguous().requires_grad_()  # (T, B, V/W): its grad lands here
-    logits = leaf.transpose(0, 1)                                        # (B, T, V/W), not contiguous
+    leaf = z[..., lo:hi].contiguous().requires_grad_()               # (B, T, V/W): its grad lands here
+    logits = leaf.transpose(0, 1)                                      # (T, B, V/W), not contiguous
     before, version = leaf.detach().clone(), leaf._version
-    with largest_tensor() as big:
+    if loss_fn is vocab_parallel_cross_entropy:
+        options = dict(options, chunk_numel=chunk_numel)
+    with largest_tensor() as big, memory() as mem:
         with traffic() as fwd:
-            loss = loss_fn(logits, target, group=group, **options)
+            loss = loss_fn(logits, target.t(), group=group, **options)
+        held = types.SimpleNamespace(forward=mem.peak, kept=mem.live() - loss.nbytes)  # the loss aside
+        deadline = time.monotonic() + 5  # gloo's worker thread may hold a message's buffers a moment after its wait
+        while keeps is not None and held.kept != keeps and time.monotonic() < deadline:
+            time.sleep(0.001)
+            held.kept = mem.live() - loss.nbytes
+        mem.reset()
         with traffic() as bwd:
-            (loss * upstream.to(loss.dtype)).sum().backward()
+            (loss * upstream.t().to(loss.dtype)).sum().backward()
+        held.backward = mem.peak
+    loss = loss.t()                                                    # (B, T) as the reference (or a scalar)
     assert loss.dtype == leaf.grad.dtype == z.dtype
     torch.testing.assert_close(loss.double(), ref, equal_nan=True, **TOL[z.dtype])
-    torch.testing.assert_close(leaf.grad.transpose(0, 1).double(), full.grad[..., lo:hi], **TOL[z.dtype])
+    torch.testing.assert_close(leaf.grad.double(), full.grad[..., lo:hi], **TOL[z.dtype])
     assert torch.equal(leaf, before) and leaf._version == version, "the input logits were modified"
     assert big.numel == N * V // w, f"a tensor of {big.numel} elements: larger than the local N x V/W slice"
     assert same_on_every_rank(loss, group) and bwd.calls == []
-    return loss, fwd
+    return loss, fwd, held
 
 
 def loss_calls(group, itemsize, megatron=False):
@@ -415,12 +525,14 @@ def section_loss(rank, world, device):
     logits = torch.randn(B, T, V, device=device, dtype=torch.float64) * 3
     target = tokens(device, world)                                   # every rank's first and last row
     for eps in (0.0, 0.1):
-        for scale in (1.0, 1000.0):                                  # x1000: exp(z) overflows past z = 709
-            z = logits * scale
+        for scale, rows in ((1.0, 5), (1000.0, T)):                  # x1000: exp(z) overflows past z = 709
+            z = logits * scale                                       # forward: 5 of the T rows at a time, or all
             for megatron in (False, True):
                 fn = megatron_vocab_parallel_cross_entropy if megatron else vocab_parallel_cross_entropy
-                _, fwd = check_loss(fn, z, target, label_smoothing=eps, reduction="none")
+                _, fwd, held = check_loss(fn, z, target, chunk_numel=rows * B * V // world, label_smoothing=eps,
+                                          keeps=loss_bytes(z.dtype, world, rows)["kept"], reduction="none")
                 assert fwd.calls == loss_calls(None, 8, megatron)
+                assert_held(held, torch.float64, world, rows, megatron)
             log(f"eps={eps} logits x{scale:<6g}(|z| <= {z.abs().max():.0f}): both forms' loss and dlogits equal "
                 f"F.cross_entropy")
     b = 8  # float64 here
@@ -429,6 +541,45 @@ def section_loss(rank, world, device):
         f"{(world - 1) * 3 * N * b} B, all-reduces 6(W-1)/W*N*b = {6 * (world - 1) * N * b // world} B")
     log(f"same loss on every rank, input untouched; the largest tensor any op made: N x V/W = {N * V // world} "
         f"elements (the full logits: {N * V})")
+    slice_, full = N * V // world * b, N * V * b
+    log(f"bytes held (logits aside), one slice N x V/W = {slice_} B: ours peaks at {held_by['ours'] - slice_:+d} B "
+        f"over one slice (dlogits), keeps {N * (b + 10)} B (18 a token) from forward to backward; Megatron's "
+        f"peaks at 2 slices{held_by['megatron'] - 2 * slice_:+d} B and keeps its softmax; the full logits: {full} B")
+
+
+held_by = {}  # the last peak each form held, for the log
+
+
+def loss_bytes(dtype, world, rows, reduction="none"):
+    """Closed forms, in bytes, of what vocab_parallel_cross_entropy holds on (T, B, V/W) logits of `dtype` besides
+    them, `rows` of T at a time: one slice A = N x V/W in the compute dtype (fp32 at least); forward's work buffer
+    of rows x B x V/W; kept for backward, per token the log-sum-exp, the local target (int64) and two flags;
+    backward's dlogits (N x V/W in dtype) and, where dtype is narrower than fp32, the work buffer. "mean" also
+    keeps its divisor, the count of tokens not ignored (one int64)."""
+    b, cb = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
+    per_row = B * V // world                                         # elements of one of T's rows
+    work = rows * per_row * cb
+    return dict(slice=T * per_row * cb, work=work, kept=N * (cb + 8 + 1 + 1) + 8 * (reduction == "mean"),
+                dlogits=T * per_row * b + (work if cb != b else 0))
+
+
+def assert_held(held, dtype, world, rows, megatron=False, reduction="none"):
+    """What the loss held (check_loss, common.memory) against its closed form (loss_bytes). Megatron's form: two
+    slices at once in forward, keeps one (the softmax), one more in backward. Keeping one more slice fails these."""
+    c = loss_bytes(dtype, world, rows, reduction)
+    a = c["slice"]
+    if megatron:  # bf16/fp16: forward's fp32 copy of the logits, backward's dlogits in dtype, one more each
+        up, narrow = (1, T * B * V // world * dtype.itemsize) if dtype.itemsize < 4 else (0, 0)
+        assert (2 + up) * a <= held.forward < (3 + up) * a and a <= held.kept < 2 * a, held
+        assert 2 * a + narrow <= held.backward < 3 * a + narrow, held
+        held_by["megatron"] = max(held.forward, held.backward)
+        return
+    assert held.kept == c["kept"], (held, c)                         # exact
+    assert c["work"] <= held.forward < c["work"] + a, (held, c)     # + the 3N x W numbers gathered, and merged
+    assert c["dlogits"] <= held.backward < c["dlogits"] + c["work"], (held, c)
+    if world > 1 and (rows <= T // 4 or dtype.itemsize >= 4):  # fp32 work on all rows of bf16 logits, W=2: as many
+        assert max(held.forward, held.backward) < N * V * dtype.itemsize, "a rank held the full logits' bytes"
+    held_by["ours"] = max(held.forward, held.backward)
 
 
 def section_dtypes(rank, world, device):
@@ -437,29 +588,38 @@ def section_dtypes(rank, world, device):
     ignored = torch.arange(N, device=device).view(B, T) % 5 == 2    # every fifth token
     for dtype in (torch.bfloat16, torch.float16):
         z = (torch.randn(B, T, V, device=device) * 3).to(dtype)
-        for reduction, ignore_index in (("none", -100), ("mean", -100), ("sum", 7)):
-            _, fwd = check_loss(vocab_parallel_cross_entropy, z, target.masked_fill(ignored, ignore_index),
-                                label_smoothing=0.1, ignore_index=ignore_index, reduction=reduction)
+        for reduction, ignore_index, rows in (("none", -100, 3), ("mean", -100, T), ("sum", 7, 3)):
+            _, fwd, held = check_loss(vocab_parallel_cross_entropy, z, target.masked_fill(ignored, ignore_index),
+                                      chunk_numel=rows * B * V // world, label_smoothing=0.1, reduction=reduction,
+                                      ignore_index=ignore_index, keeps=loss_bytes(dtype, world, rows, reduction)["kept"])
             assert fwd.calls == loss_calls(None, 4), "the fp32 numbers are gathered"
-        _, fwd = check_loss(megatron_vocab_parallel_cross_entropy, z, target, label_smoothing=0.1)
+            assert_held(held, dtype, world, rows, reduction=reduction)
+        _, fwd, held = check_loss(megatron_vocab_parallel_cross_entropy, z, target, label_smoothing=0.1)
         assert fwd.calls == loss_calls(None, 4, megatron=True)
+        assert_held(held, dtype, world, T, megatron=True)
         name = str(dtype).removeprefix("torch.")
         log(f"{name}: both forms' loss and dlogits, in {name}, equal F.cross_entropy in float64 within "
             f"rtol={TOL[dtype]['rtol']:.2g}")
     log("the one-collective form with ignore_index -100 and 7 (inside [0, V)); reduction none, mean over the tokens "
         "not ignored, sum")
     z = torch.randn(B, T, V, device=device, dtype=torch.float64)
-    loss, _ = check_loss(vocab_parallel_cross_entropy, z, torch.full_like(target, -100))  # the default: mean
+    loss, _, _ = check_loss(vocab_parallel_cross_entropy, z, torch.full_like(target, -100))  # the default: mean
     assert loss.isnan()
     log("every token ignored: the mean is nan and the gradient 0, as F.cross_entropy's")
-    if device.type == "cpu":  # a CUDA kernel asserts on the device instead, as F.cross_entropy's does
-        for bad in (-1, V):
+    first = divmod(int(ignored.view(-1).nonzero()[0]), T)              # where the bad targets start: (0, 2)
+    for fn, bad, also in ((vocab_parallel_cross_entropy, -1, " or ignore_index=-100"),
+                          (vocab_parallel_cross_entropy, V, " or ignore_index=-100"),
+                          (megatron_vocab_parallel_cross_entropy, -100, "")):  # Megatron's has no ignore_index
+        with traffic() as sent:
             try:
-                vocab_parallel_cross_entropy(z[..., slice(*vocab_range(V))], target.masked_fill(ignored, bad))
+                fn(z[..., slice(*vocab_range(V))], target.masked_fill(ignored, bad))
                 raise AssertionError(f"target {bad} should be refused")
-            except RuntimeError as e:
-                assert "out of bounds" in str(e), e
-        log(f"a target outside [0, V) that is not ignore_index raises on every rank, as in F.cross_entropy")
+            except ValueError as e:
+                said = str(e)
+                assert said == (f"target{list(first)}={bad} is not a class of the vocabulary: classes lie in "
+                                f"[0, {V}){also}"), said
+        assert sent.calls == [], "checked on every rank alone, without a collective"
+    log(f"refused on every rank, no collective sent: {said}")
 
 
 def section_subgroups(rank, world, device):
@@ -472,7 +632,7 @@ def section_subgroups(rank, world, device):
     target = tokens(device, world)
     for megatron in (False, True):
         fn = megatron_vocab_parallel_cross_entropy if megatron else vocab_parallel_cross_entropy
-        _, fwd = check_loss(fn, z, target, group, label_smoothing=0.1, reduction="sum")
+        _, fwd, _ = check_loss(fn, z, target, group, label_smoothing=0.1, reduction="sum")
         assert fwd.calls == loss_calls(group, 8, megatron)
     check_regions(group, device)
     check_lm_head(group, device)
