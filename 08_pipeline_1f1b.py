@@ -1,63 +1,37 @@
 """08 - pipeline parallelism: Megatron's P2P layer; 1F1B, interleaved 1F1B and ZB-H1, checked against one process.
 
-Pipeline parallelism gives each rank a run of consecutive layers (a stage) and streams m micro-batches through
-p stages: activations go right, gradients come back left (lesson 01). A schedule orders a stage's forwards (F)
-and backwards (B). GPipe runs every F, then every B; 1F1B (PipeDream-flush, Megatron's default) starts each B
-as early as it can. Both leave the same bubble, (p-1)/(m+p-1) of each stage's time idle, but a stage keeps a
-micro-batch's activations from its F to its B: GPipe keeps m, 1F1B at most min(p - stage, m).
-
-  16 blocks, p = 4:   stage 0: blocks 0-3 | stage 1: 4-7 | stage 2: 8-11 | stage 3: 12-15 and the loss
-  before: each stage holds its blocks; stage 0 the m input micro-batches, stage 3 their targets
-  after:  stage 3 holds the loss (mean over micro-batches); each stage its blocks' gradients summed over
-          micro-batches, equal to those of the whole model run in one process on the whole batch
-  1F1B, stage 0 of 2, m = 4:   F0 F1 B0 F2 B1 F3 B2 B3   (warm-up: 1 F; steady: F, B pairs; cool-down: 1 B)
-
-Two ways to shrink the bubble. Interleaved 1F1B (Megatron): each stage holds v model chunks, chunk c of stage s
-being model chunk c*p + s, so a micro-batch crosses the stages v times, in hops of 1/v of a stage; m must be a
-multiple of p.
-  16 blocks, p = 4, v = 2:  stage 0: blocks 0-1 and 8-9 | stage 1: 2-3, 10-11 | ... | stage 3: 6-7, 14-15
-  stage 1 of 2, m = 4, v = 2:  F0 F1 f0 b0 f1 b1 F2 B0 F3 B1 f2 b2 f3 b3 B2 B3   (upper case chunk 0, lower 1)
-  it holds up to 2(p - stage - 1) + (v-1)p + 1 chunks' activations from F until B, each 1/v of a stage's.
-ZB-H1 (zero bubble, Qi et al., ICLR 2024): each backward splits into B, the input gradient the previous stage
-waits for, and W, the weight gradients nobody waits for; W k runs after B k+stage and the Ws left fill the
-cool-down, where 1F1B idles. B keeps each layer's output gradient; W turns it into dW = dZ^T X.
-  stage 0 of 2, m = 4:  F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3
-  stage 1 of 2, m = 4:  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3
-  from F until B it holds what 1F1B holds, min(p - stage, m); from F until W min(p, m) on every stage.
-The bubbles side by side, one tick per op (an interleaved op is a chunk's: 1/v of a tick), messages free:
-  1F1B         2(m+p-1) ticks, 2(p-1) idle: (p-1)/(m+p-1); with W inside B (2 ticks): 3(m+p-1), 3(p-1) idle
-  interleaved  2mv + 2(p-1) chunk-ticks, 2(p-1) idle: (p-1)/(mv+p-1), v times smaller
-  ZB-H1        F = B = W = 1 tick: max(3m+p-1, 2m+2p-1) ticks; for m >= p, 3m+p-1 with p-1 idle: (p-1)/(3m+p-1)
-
+Each rank holds a run of consecutive layers (a stage); m micro-batches stream through the p stages, activations
+going right and gradients coming back left (lesson 01). A schedule orders each stage's forwards (F) and backwards
+(B). A stage keeps a micro-batch's activations from its F to its B: GPipe (every F, then every B) keeps m, 1F1B
+(PipeDream-flush, Megatron's default) starts each B as early as it can and keeps at most min(p - s, m) on stage s.
+  16 blocks, p = 4: stage 0 holds blocks 0-3 and the input micro-batches | 1: 4-7 | 2: 8-11 | 3: 12-15, targets;
+  after the step stage 3 holds the loss, each stage its blocks' gradients summed over the micro-batches.
+  1F1B, m = 4, one tick per op: warm-up p-s-1 Fs, steady F B pairs, cool-down Bs ('.' = idle, the bubble)
+    stage 0 | F0 F1 F2 F3  .  .  . B0  . B1  . B2  . B3
+    stage 1 |  . F0 F1 F2  .  . B0 F3 B1  . B2  . B3  .
+    stage 2 |  .  . F0 F1  . B0 F2 B1 F3 B2  . B3  .  .
+    stage 3 |  .  .  . F0 B0 F1 B1 F2 B2 F3 B3  .  .  .
+Interleaved 1F1B (Megatron): stage s holds v chunks, chunk c being model chunk c*p + s, so a micro-batch crosses
+the stages v times (the last stage's chunk c feeds the first stage's chunk c+1). Warm-up, 2(p-s-1) + (v-1)p chunk
+forwards: the last stage reaches micro-batch 0's last chunk after (v-1)p forwards, and stage s waits 2(p-s-1) chunk
+ticks more for that gradient (p-s-1 hops there, p-s-1 back), which it fills with forwards; it keeps up to that + 1
+chunks' activations, each 1/v of a stage's. ZB-H1 (Qi et al., ICLR 2024) splits each B into B, the input gradient
+the previous stage waits for, and W, the weight gradients nobody waits for: W k runs after B k+s, the Ws left fill
+the cool-down. It keeps what 1F1B keeps from F to B (and each Linear's output), then until W each Linear's input
+and output gradient (the paper's weight-gradient store): min(p, m) micro-batches from F to W.
+Bubbles, one tick per op (interleaved: a chunk's op, 1/v of a tick), messages free:
+  1F1B         2(m+p-1) ticks, 2(p-1) idle: (p-1)/(m+p-1) of the step; Narayanan et al. divide by the work: (p-1)/m
+  interleaved  2mv + 2(p-1) chunk-ticks, 2(p-1) idle (2(p-1)/v ticks): the idle time is v times smaller, the share
+               of the step (p-1)/(mv+p-1) less so: p=4, m=8, v=2 goes 27% -> 16% ((p-1)/m: 38% -> (p-1)/(vm): 19%)
+  ZB-H1        F = B = W = 1 tick: max(3m+p-1, 2m+2p-1) ticks; for m >= p, p-1 idle: (p-1)/(3m+p-1)
 The P2P layer (Megatron's p2p_communication.py): six calls on one communicate(send_next, send_prev, recv_prev,
-recv_next); the first stage has no prev and the last no next, so those parts are dropped.
-  recv_forward                recv_prev              send_forward                send_next
-  recv_backward               recv_next              send_backward               send_prev
-  send_forward_recv_backward  send_next, recv_next   send_backward_recv_forward  send_prev, recv_prev
-With variable sequence lengths a round of int64 shapes goes first, so that each receiver can allocate. Two
-implementations: batched (batch_isend_irecv; on NCCL one grouped launch, the order inside does not matter) and
-ordered (isend/irecv one by one in Megatron's order: even stages send_next, recv_prev, send_prev, recv_next, odd
-stages swap each pair), so that on each link one end sends while the other receives. Megatron's third,
-ring_exchange, exists only in its own PyTorch build. The two-stage trick: NCCL runs the P2P ops between two ranks
-of one group in order, so an activation going right and a gradient coming left queue behind each other; with
-exactly two stages Megatron sends odd->even on a second group (`second_group`, with the ordered implementation).
-
-Why a send and a receive sometimes go in one call (a send waits for its receive: NCCL; gloo too, lesson 01):
-  1F1B steady state, link s -> s+1:   stage s:    F m, send act m,  recv grad k, B k
-                                      stage s+1:  B k, send grad k, recv act m,  F m
-each end would send first and wait for ever; send_forward_recv_backward on s and send_backward_recv_forward on
-s+1 post both at once, and they meet. train_step_1f1b is that loop written out: warm-up, steady, cool-down.
-run_schedule runs any schedule here (v chunks: the last stage's chunk c feeds the first stage's chunk c+1). It
-sends each result when it is made, waiting for the sends at the end of the step, and receives each input just
-before its op; the send after an F or B and the receive before the next one go in one call when the stage at
-the other end makes that input before it takes this output. 1F1B, p = 4, m = 8, stage 1:
-  after F2 it sends act 2 to stage 2 and needs grad 0 from it; stage 2 runs B0 before F2: one call
-  after F1 it sends act 1 to stage 2 and needs act 2 from stage 0: two calls
-On schedule_1f1b it posts exactly train_step_1f1b's calls.
-
-Bytes each rank sends per step, A = one micro-batch's activation (rows x hidden x dtype bytes): m*A forward
-unless last, m*A backward unless first (2*m*A in the middle); interleaved (2v - [first] - [last]) m*A, v times
-the messages; exchanging shapes adds 8*ndim per message.
+recv_next); a send waits for its receive, so where both ends of a link would send first (1F1B's steady state) they
+post send and receive in one call: send_forward_recv_backward meets send_backward_recv_forward.
+  recv_forward: recv_prev   send_forward: send_next   recv_backward: recv_next   send_backward: send_prev
+Bytes: a stage keeps each micro-batch's activations (a sent output shrinks to one element, Megatron's
+deallocate_output_tensor) and one call's sends in flight. It sends per step, A = one micro-batch's activation:
+m*A forward unless last, m*A backward unless first; interleaved (2v - [first] - [last]) m*A, in v times the
+messages; with variable shapes, 8*ndim bytes more a message.
 
 Run:  torchrun --nproc-per-node=4 08_pipeline_1f1b.py
 """
@@ -68,68 +42,13 @@ import torch.nn.functional as F
 
 
 # ---- building blocks: paste from here to the demo marker (they need only torch) ----------------------------
-# schedules: pure functions, [(op, micro-batch[, chunk])] for one stage --------------------------------------
-def _check_schedule(num_stages, stage, num_microbatches):
-    if num_stages < 1 or not 0 <= stage < num_stages or num_microbatches < 1:
-        raise ValueError(f"need num_stages >= 1, 0 <= stage < num_stages and num_microbatches >= 1; got "
-                         f"num_stages={num_stages}, stage={stage}, num_microbatches={num_microbatches}")
-
-
-def schedule_1f1b(num_stages, stage, num_microbatches):
-    """This stage's ops, [("F" | "B", micro-batch)], in 1F1B order; holds at most min(p - stage, m) at once."""
-    _check_schedule(num_stages, stage, num_microbatches)
-    warmup = min(num_stages - stage - 1, num_microbatches)       # fill the stages after this one
-    ops = [("F", m) for m in range(warmup)]                      # warm-up
-    for i in range(num_microbatches - warmup):                   # steady: one F, then the oldest held B
-        ops += [("F", warmup + i), ("B", i)]
-    return ops + [("B", m) for m in range(num_microbatches - warmup, num_microbatches)]  # cool-down
-
-
-def schedule_gpipe(num_stages, stage, num_microbatches):
-    """This stage's ops in GPipe order: every F, then every B; holds all m micro-batches at once."""
-    _check_schedule(num_stages, stage, num_microbatches)
-    return [("F", m) for m in range(num_microbatches)] + [("B", m) for m in range(num_microbatches)]
-
-
-def schedule_interleaved_1f1b(num_stages, stage, num_microbatches, num_chunks):
-    """This stage's ops, [("F" | "B", micro-batch, chunk)], in Megatron's interleaved 1F1B order.
-
-    Chunk c of stage s runs model chunk c*p + s. Forwards take p micro-batches through chunk 0, the same p
-    through chunk 1, ..., then the next p; backwards go the same way from the last chunk. Warm-up:
-    2(p - s - 1) + (v - 1)p forwards, then F, B pairs, then the Bs left."""
-    _check_schedule(num_stages, stage, num_microbatches)
-    p, m, v = num_stages, num_microbatches, num_chunks
-    if v < 1 or m % p:
-        raise ValueError(f"interleaved 1F1B needs num_microbatches a multiple of num_stages and num_chunks >= 1; "
-                         f"got num_microbatches={m}, num_stages={p}, num_chunks={v}")
-    fwd = [("F", k // (p * v) * p + k % p, k // p % v) for k in range(m * v)]  # the k-th forward of this stage
-    bwd = [("B", mb, v - 1 - c) for _, mb, c in fwd]                          # backwards: from the last chunk
-    warmup = min(2 * (p - stage - 1) + (v - 1) * p, m * v)
-    ops = fwd[:warmup]                                                         # warm-up
-    for i in range(m * v - warmup):                                            # steady: F, B pairs
-        ops += [fwd[warmup + i], bwd[i]]
-    return ops + bwd[m * v - warmup:]                                          # cool-down
-
-
-def schedule_zb_h1(num_stages, stage, num_microbatches):
-    """This stage's ops, [("F" | "B" | "W", micro-batch)], in ZB-H1 order (Qi et al., ICLR 2024): 1F1B's Fs
-    and Bs, where B is only the input gradient and W, the weight gradients, of micro-batch k runs after
-    B k + stage; the Ws left fill the cool-down. From F until B: min(p - stage, m); from F until W: min(p, m)."""
-    ops = []
-    for op, k in schedule_1f1b(num_stages, stage, num_microbatches):
-        ops.append((op, k))
-        if op == "B" and k >= stage:
-            ops.append(("W", k - stage))
-    return ops + [("W", k) for k in range(max(num_microbatches - stage, 0), num_microbatches)]
-
-
 # the P2P layer --------------------------------------------------------------------------------------------
 class P2PCommunicator:
     """Moves activations to the next stage and gradients to the previous one; stage = rank in `group`.
 
     shape, dtype, device: what a received tensor is (with variable_shapes, only len(shape) is fixed).
-    batched: batch_isend_irecv if True, else isend/irecv in even/odd order.
-    second_group: the two-stage trick (exactly 2 stages, batched=False): odd->even transfers use this group.
+    batched: batch_isend_irecv if True, else isend/irecv one by one in even/odd order (an extra, below).
+    variable_shapes: a round of shapes before the data; second_group: the two-stage trick (extras, below).
     Neighbours wrap around (the last stage's next is the first, as the interleaved schedule needs); the six
     named calls drop what has no neighbour at the pipeline's two ends. self.log lists every call, each a list
     of the ops it posted, in order: (send | recv, peer stage, bytes, 0 on group or 1 on second_group).
@@ -186,14 +105,11 @@ class P2PCommunicator:
                 if t is not None:
                     box.append(t)
             return self._loop[0].pop(0) if recv_prev else None, self._loop[1].pop(0) if recv_next else None
-        empty = lambda want, shape, dtype: torch.empty(shape, dtype=dtype, device=self.device) if want else None
-        shape_prev = shape_next = self.shape
-        if self.variable_shapes:                     # round 1: the shapes, so that each receiver can allocate
-            dims = lambda t: None if t is None else torch.tensor(t.shape, dtype=torch.int64, device=self.device)
-            sp, sn = (empty(want, len(self.shape), torch.int64) for want in (recv_prev, recv_next))
-            self._p2p(dims(send_next), dims(send_prev), sp, sn, wait_sends)
-            shape_prev, shape_next = (None if s is None else tuple(s.tolist()) for s in (sp, sn))
-        from_prev, from_next = empty(recv_prev, shape_prev, self.dtype), empty(recv_next, shape_next, self.dtype)
+        shape_prev = shape_next = self.shape         # variable shapes: a round of shapes first (an extra, below)
+        if self.variable_shapes:
+            shape_prev, shape_next = _exchange_shapes(self, send_next, send_prev, recv_prev, recv_next, wait_sends)
+        from_prev, from_next = (torch.empty(shape, dtype=self.dtype, device=self.device) if want else None
+                                for want, shape in ((recv_prev, shape_prev), (recv_next, shape_next)))
         self._p2p(send_next, send_prev, from_prev, from_next, wait_sends)
         return from_prev, from_next
 
@@ -204,20 +120,15 @@ class P2PCommunicator:
         self._in_flight = []
 
     def _p2p(self, send_next, send_prev, recv_prev, recv_next, wait_sends):
-        """Post the given transfers (a tensor or None each) in this stage's even/odd order as one call."""
+        """Post the given transfers (a tensor or None each) as one call; wait for its receives."""
         self.wait_sends()                                     # the previous call's sends, before this call posts
-        even = self.stage % 2 == 0
-        order = [(dist.isend, send_next, 1), (dist.irecv, recv_prev, -1), (dist.isend, send_prev, -1),
-                 (dist.irecv, recv_next, 1)]                  # even stages; odd ones swap each pair
         ops, call = [], []
-        for op, t, step in (order if even else [order[i] for i in (1, 0, 3, 2)]):
-            if t is not None:
-                on_second = (op is dist.isend) != even            # even->odd on group, odd->even on second_group
-                t = t.contiguous() if op is dist.isend else t     # NCCL takes contiguous tensors only
-                ops.append(dist.P2POp(op, t, self.next if step > 0 else self.prev,
-                                      self.second_group if on_second else self.group))
-                call.append(("send" if op is dist.isend else "recv", (self.stage + step) % self.num_stages,
-                             t.numel() * t.element_size(), int(on_second and self.second_group is not self.group)))
+        for op, t, step, second in _posting_order(self, send_next, send_prev, recv_prev, recv_next):
+            t = t.contiguous() if op is dist.isend else t         # NCCL takes contiguous tensors only
+            ops.append(dist.P2POp(op, t, self.next if step > 0 else self.prev,
+                                  self.second_group if second else self.group))
+            call.append(("send" if op is dist.isend else "recv", (self.stage + step) % self.num_stages,
+                         t.numel() * t.element_size(), int(second)))
         if not ops:
             return
         self.log.append(call)
@@ -228,50 +139,6 @@ class P2PCommunicator:
                 self._in_flight.append((req, o.tensor))                # keep the tensor alive until it is sent
             else:
                 req.wait()
-
-
-# the split backward: B (the input gradient, which the previous stage waits for), then W (the weight gradients) --
-def forward_keeping(model, x):
-    """F for a schedule with W: model(x), noting each parametrised module's input and output (B needs the output,
-    W the input). W then covers each parameter's use inside its own module's forward (a weight used elsewhere
-    too, e.g. an embedding tied to an LM head through F.linear, needs the ordinary backward: a schedule without W)."""
-    kept = []
-    hooks = [mod.register_forward_hook(lambda mod, args, out: kept.append((mod, args, out)))
-             for mod in model.modules() if next(mod.parameters(recurse=False), None) is not None]
-    try:
-        y = model(x)
-    finally:
-        for h in hooks:
-            h.remove()
-    return y, kept
-
-
-def backward_input(x, y, grad_y, kept):
-    """B: the gradient of the stage input x (None if x needs none) and of each kept module's output z, no weight
-    gradient; the graph is freed. Returns (x's gradient, [(module, its inputs, dL/dz)]): the zero-bubble paper's
-    weight-gradient store, all W needs (a Linear: X and dZ). grad_y is None where y is the loss."""
-    wrt = ([x] if x.requires_grad else []) + [z for _, _, z in kept]
-    grads = list(torch.autograd.grad(y, wrt, grad_y, allow_unused=True)) if wrt else []
-    x_grad = grads.pop(0) if x.requires_grad else None
-    return x_grad, [(mod, args, g) for (mod, args, _), g in zip(kept, grads) if g is not None]
-
-
-def backward_weight(store):
-    """W: each module's weight gradients from its input and output gradient, accumulated into .grad; a Linear
-    by dW = dZ^T X, db = sum dZ (as autograd computes them), any other module by running it again on its input."""
-    for mod, args, dz in store:
-        params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
-        if type(mod) is nn.Linear:
-            with torch.no_grad():                    # as autograd's own accumulation: no graph for the grads
-                x2, dz2 = args[0].reshape(-1, mod.in_features), dz.reshape(-1, mod.out_features)
-                grads = [(x2.t() @ dz2).t()] + ([dz2.sum(0)] if mod.bias is not None else [])
-                for q, g in zip([mod.weight] + ([mod.bias] if mod.bias is not None else []), grads):
-                    if q.requires_grad:
-                        q.grad = g if q.grad is None else q.grad.add_(g)
-        elif params:
-            with torch.enable_grad():
-                z = mod(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
-            torch.autograd.backward(z, dz, inputs=params)
 
 
 def deallocate_output_tensor(out):
@@ -330,6 +197,130 @@ def train_step_1f1b(model, comm, inputs, targets, loss_fn):
     return sum(loss) if loss else None
 
 
+# ---- the extras: shape exchange, the ordered implementation and its second group, the general runner -------
+def _exchange_shapes(comm, send_next, send_prev, recv_prev, recv_next, wait_sends):
+    """Variable sequence lengths: a round of int64 shapes before the data, so that each receiver can allocate
+    (Megatron's _communicate_shapes; 8*ndim bytes a message). Returns (shape from prev, shape from next)."""
+    dims = lambda t: None if t is None else torch.tensor(t.shape, dtype=torch.int64, device=comm.device)
+    sp, sn = (torch.empty(len(comm.shape), dtype=torch.int64, device=comm.device) if want else None
+              for want in (recv_prev, recv_next))
+    comm._p2p(dims(send_next), dims(send_prev), sp, sn, wait_sends)
+    return tuple(None if t is None else tuple(t.tolist()) for t in (sp, sn))
+
+
+def _posting_order(comm, send_next, send_prev, recv_prev, recv_next):
+    """The transfers given (a tensor or None each) as [(isend | irecv, tensor, +1 next | -1 prev, on second
+    group)], in Megatron's even/odd order: even stages send_next, recv_prev, send_prev, recv_next; odd stages swap
+    each pair. Posted one by one (batched=False), each link then has one end sending while the other receives
+    (batch_isend_irecv does not need it: one grouped launch). With second_group (the two-stage trick), odd->even
+    transfers go on it: NCCL runs two ranks' P2P on one group in order, so an activation going right and a
+    gradient coming left would queue behind each other."""
+    even = comm.stage % 2 == 0
+    order = [(dist.isend, send_next, 1), (dist.irecv, recv_prev, -1), (dist.isend, send_prev, -1),
+             (dist.irecv, recv_next, 1)]
+    return [(op, t, step, comm.second_group is not comm.group and (op is dist.isend) != even)
+            for op, t, step in (order if even else [order[i] for i in (1, 0, 3, 2)]) if t is not None]
+
+
+# schedules: pure functions, [(op, micro-batch[, chunk])] for one stage --------------------------------------
+def _check_schedule(num_stages, stage, num_microbatches):
+    if num_stages < 1 or not 0 <= stage < num_stages or num_microbatches < 1:
+        raise ValueError(f"need num_stages >= 1, 0 <= stage < num_stages and num_microbatches >= 1; got "
+                         f"num_stages={num_stages}, stage={stage}, num_microbatches={num_microbatches}")
+
+
+def schedule_1f1b(num_stages, stage, num_microbatches):
+    """This stage's ops, [("F" | "B", micro-batch)], in 1F1B order; holds at most min(p - stage, m) at once."""
+    _check_schedule(num_stages, stage, num_microbatches)
+    warmup = min(num_stages - stage - 1, num_microbatches)       # fill the stages after this one
+    ops = [("F", m) for m in range(warmup)]                      # warm-up
+    for i in range(num_microbatches - warmup):                   # steady: one F, then the oldest held B
+        ops += [("F", warmup + i), ("B", i)]
+    return ops + [("B", m) for m in range(num_microbatches - warmup, num_microbatches)]  # cool-down
+
+
+def schedule_gpipe(num_stages, stage, num_microbatches):
+    """This stage's ops in GPipe order: every F, then every B; holds all m micro-batches at once."""
+    _check_schedule(num_stages, stage, num_microbatches)
+    return [("F", m) for m in range(num_microbatches)] + [("B", m) for m in range(num_microbatches)]
+
+
+def schedule_interleaved_1f1b(num_stages, stage, num_microbatches, num_chunks):
+    """This stage's ops, [("F" | "B", micro-batch, chunk)], in Megatron's interleaved 1F1B order.
+
+    Chunk c of stage s runs model chunk c*p + s. Forwards take p micro-batches through chunk 0, the same p
+    through chunk 1, ..., then the next p; backwards go the same way from the last chunk. Warm-up:
+    2(p - s - 1) + (v - 1)p forwards, then F, B pairs, then the Bs left."""
+    _check_schedule(num_stages, stage, num_microbatches)
+    p, m, v = num_stages, num_microbatches, num_chunks
+    if v < 1 or m % p:
+        raise ValueError(f"interleaved 1F1B needs num_microbatches a multiple of num_stages and num_chunks >= 1; "
+                         f"got num_microbatches={m}, num_stages={p}, num_chunks={v}")
+    fwd = [("F", k // (p * v) * p + k % p, k // p % v) for k in range(m * v)]  # the k-th forward of this stage
+    bwd = [("B", mb, v - 1 - c) for _, mb, c in fwd]                          # backwards: from the last chunk
+    warmup = min(2 * (p - stage - 1) + (v - 1) * p, m * v)
+    ops = fwd[:warmup]                                                         # warm-up
+    for i in range(m * v - warmup):                                            # steady: F, B pairs
+        ops += [fwd[warmup + i], bwd[i]]
+    return ops + bwd[m * v - warmup:]                                          # cool-down
+
+
+def schedule_zb_h1(num_stages, stage, num_microbatches):
+    """This stage's ops, [("F" | "B" | "W", micro-batch)], in ZB-H1 order (Qi et al., ICLR 2024): 1F1B's Fs
+    and Bs, where B is only the input gradient and W, the weight gradients, of micro-batch k runs after
+    B k + stage; the Ws left fill the cool-down. From F until B: min(p - stage, m); from F until W: min(p, m)."""
+    ops = []
+    for op, k in schedule_1f1b(num_stages, stage, num_microbatches):
+        ops.append((op, k))
+        if op == "B" and k >= stage:
+            ops.append(("W", k - stage))
+    return ops + [("W", k) for k in range(max(num_microbatches - stage, 0), num_microbatches)]
+
+
+# the split backward: B (the input gradient, which the previous stage waits for), then W (the weight gradients) --
+def forward_keeping(model, x):
+    """F for a schedule with W: model(x), noting each parametrised module's input and output (B needs the output,
+    W the input). W then covers each parameter's use inside its own module's forward (a weight used elsewhere
+    too, e.g. an embedding tied to an LM head through F.linear, needs the ordinary backward: a schedule without W)."""
+    kept = []
+    hooks = [mod.register_forward_hook(lambda mod, args, out: kept.append((mod, args, out)))
+             for mod in model.modules() if next(mod.parameters(recurse=False), None) is not None]
+    try:
+        y = model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return y, kept
+
+
+def backward_input(x, y, grad_y, kept):
+    """B: the gradient of the stage input x (None if x needs none) and of each kept module's output z, no weight
+    gradient; the graph is freed. Returns (x's gradient, [(module, its inputs, dL/dz)]): the zero-bubble paper's
+    weight-gradient store, all W needs (a Linear: X and dZ). grad_y is None where y is the loss."""
+    wrt = ([x] if x.requires_grad else []) + [z for _, _, z in kept]
+    grads = list(torch.autograd.grad(y, wrt, grad_y, allow_unused=True)) if wrt else []
+    x_grad = grads.pop(0) if x.requires_grad else None
+    return x_grad, [(mod, args, g) for (mod, args, _), g in zip(kept, grads) if g is not None]
+
+
+def backward_weight(store):
+    """W: each module's weight gradients from its input and output gradient, accumulated into .grad; a Linear
+    by dW = dZ^T X, db = sum dZ (as autograd computes them), any other module by running it again on its input."""
+    for mod, args, dz in store:
+        params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
+        if type(mod) is nn.Linear:
+            with torch.no_grad():                    # as autograd's own accumulation: no graph for the grads
+                x2, dz2 = args[0].reshape(-1, mod.in_features), dz.reshape(-1, mod.out_features)
+                grads = [(x2.t() @ dz2).t()] + ([dz2.sum(0)] if mod.bias is not None else [])
+                for q, g in zip([mod.weight] + ([mod.bias] if mod.bias is not None else []), grads):
+                    if q.requires_grad:
+                        q.grad = g if q.grad is None else q.grad.add_(g)
+        elif params:
+            with torch.enable_grad():
+                z = mod(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+            torch.autograd.backward(z, dz, inputs=params)
+
+
 # the general runner: any schedule above, one model chunk or v ------------------------------------------------
 def _link(p, v, stage, op, mb, c, out):
     """The other end of an op's output (out=True) or input: (stage, its op), or None (the model's ends, or a W).
@@ -363,9 +354,10 @@ def op_ticks(orders, num_chunks=1, ticks=None):
 
 
 def _events(orders, num_chunks, stage, end):
-    """This stage's ops and messages in the one order every stage agrees on: each message at the tick its
-    producer ends (the later stage's first on a tie), before an op that starts then. Items: ("op", op),
-    ("send" | "recv", peer stage, the producer (stage, op), the consumer (stage, op))."""
+    """This stage's ops and messages in one order that every stage agrees on, op_ticks's clock: a message goes
+    at the tick its consumer starts (on a tie, the one to the later stage first), before the ops that start then.
+    So the receiver takes it just before its op, and the sender sends it when the receiver is ready for it.
+    Items: ("op", op), ("send" | "recv", peer stage, the producer (stage, op), the consumer (stage, op))."""
     p, out = len(orders), []
     for op in orders[stage]:
         out.append(((end[(stage, op)] - 1, 1, 0), ("op", op)))
@@ -379,11 +371,21 @@ def _events(orders, num_chunks, stage, end):
 
 
 def plan_calls(orders, num_chunks, stage):
-    """This stage's step as run_schedule runs it: ("op", op) and ("call", [messages]). A stage sends each
-    output as soon as it is made and receives each input when its producer has made it, in the order above, so
-    every stage posts its transfers in one global order and none can wait on another in a cycle (NCCL: a send
-    waits for its receive). A send and a receive go in one call when they are next to each other at both ends
-    (1F1B's send_forward_recv_backward meeting send_backward_recv_forward): one peer stage per call."""
+    """This stage's step as run_schedule runs it: [("op", op) or ("call", [one or two messages])].
+
+    One order for all: a send waits for its receive (NCCL; gloo too) and NCCL runs two ranks' calls in the order
+    posted. When every stage posts its messages in the order of one clock (_events), the earliest message not yet
+    through has both its ends waiting on it, so no cycle of waits can form. (Sending each output when made and
+    receiving each input just before its op, as this runner once did, stops part-way at p = 2, m = 4 and p = 4,
+    m = 4 or 8 when the interleaved calls are replayed as NCCL runs them: a stage waits in a call for a message
+    its peer posts only after a call that waits on this stage. gloo ran them: their sends stayed in flight.)
+    Meeting in one call: a send and a receive that are next to each other in this stage's order, with one peer,
+    and next to each other in the peer's order too, go in one communicate(). In 1F1B's steady state stage s, after
+    F k, sends activation k to s+1 and needs gradient j from it, while s+1, after B j, sends gradient j and needs
+    activation k: at both ends nothing comes between the two messages, so they go in one call each,
+    send_forward_recv_backward on s and send_backward_recv_forward on s+1, as train_step_1f1b posts them. Each
+    end posts them as one group (batched) or in the even/odd order (_posting_order), which pairs them either way.
+    Any other message goes in a call of its own: one peer stage per call."""
     end = op_ticks(orders, num_chunks)
     evs = [_events(orders, num_chunks, st, end) for st in range(len(orders))]
     where = [{(e[0], e[2]): i for i, e in enumerate(ev) if e[0] != "op"} for ev in evs]
@@ -421,10 +423,11 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
     targets      m targets, read by the last stage only
     loss_fn      loss_fn(the last chunk's output, target) -> a scalar; the step backpropagates their mean
     returns      the mean loss on the last stage, else None; the ops as run, [(op, micro-batch, chunk)]; for
-                 each call posted (comm.log's), the messages in it: [(send | recv, peer stage, producer's op)]
-    Calls as plan_calls orders them; each waits for the sends of the call before it. A stage keeps an F's
-    input and what its graph saved until its B (the sent output shrinks to one element), and from B until W
-    only each module's input and output gradient.
+                 each call posted (comm.log's), its messages: [(send | recv, peer stage, the producer's op)]
+    Messages go in plan_calls's order; each call first waits for the sends of the call before it. From F to B a
+    stage keeps the F's input and what its graph saved (a sent output shrinks to one element); from B to W (a
+    schedule with W) only each module's input and output gradient. Each op runs inside
+    torch.profiler.record_function("F mb3 c0") (its kind, micro-batch and chunk), which a trace shows.
     """
     p, s, m = comm.num_stages, comm.stage, len(inputs)
     chunks = [stages] if isinstance(stages, nn.Module) else list(stages)
