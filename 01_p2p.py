@@ -235,6 +235,10 @@ def deadlock(rank, W, device):
         assert replays(shift(n)) and replays(both(n)), n
     # ranks 0 and 1 finish, rank 2 waits for a message nobody sends: still a hang
     assert not replays([[("send", 1, TAG_RIGHT)], [("recv", 0, TAG_RIGHT)], [("recv", 0, TAG_LEFT)]])
+    # two tagged messages to one peer, received in the other order: the first blocking send waits for a receive
+    # posted after the one its peer is blocked in
+    assert not replays([[("send", 1, TAG_RIGHT), ("send", 1, TAG_LEFT)],
+                        [("recv", 0, TAG_LEFT), ("recv", 0, TAG_RIGHT)]])
     log("ring shift, sends first on every rank: rank r waits for r+1's recv, which waits behind r+1's send...")
     log("   ... around the ring back to r: a cycle, deadlock at every W in 2..8 (played, not run)")
     log("even ranks send first, odd ranks receive first: completes at every W in 2..8, odd W included")

@@ -621,9 +621,10 @@ def traced(script, tmp_path, world=2):
     titles = [ln[3:] for ln in run_.outs[0].splitlines() if ln.startswith("== ")]
     assert titles, run_.report()
     for r in range(world):
-        ranges = [e["name"] for e in sorted(events, key=lambda e: e.get("ts", 0))
-                  if e["pid"] == r and e.get("cat") == "user_annotation" and e["name"] in titles]
-        assert ranges == titles, (r, ranges, titles)
+        ranges = sorted((e for e in events if e["pid"] == r and e.get("cat") == "user_annotation"
+                         and e["name"] in titles), key=lambda e: e["ts"])
+        assert [e["name"] for e in ranges] == titles, (r, [e["name"] for e in ranges], titles)
+        assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(ranges, ranges[1:])), "sections overlap"
     return events, run_.outs[0]
 
 
