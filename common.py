@@ -1,4 +1,5 @@
-"""The only shared file: process-group set-up and teardown, logging, overlap timing, and traffic counting.
+"""The only shared file: process-group set-up and teardown, logging, overlap timing, traffic and memory
+counting, traces, and three checking tools.
 
 The lessons' demos use it; their building blocks never do (each block needs only torch, so it pastes alone).
 Every demo starts with `rank, world, device = setup()` and ends with `finish("what it proved")`.
@@ -21,6 +22,8 @@ Every demo starts with `rank, world, device = setup()` and ends with `finish("wh
     overlap(...)   start a collective with async_op=True, compute while it travels, then wait
     time_overlap   this rank's seconds for comm alone, compute alone and both overlapped (syncs CUDA first)
     traffic()      `with traffic() as t:` counts this rank's collectives and P2P calls and the bytes handed to them
+    memory()       `with memory() as m:` the bytes this rank allocates and still holds (m.live(), m.peak);
+                   held_bytes(tensors) the bytes behind tensors that exist already
     checking tools strided_groups(stride): sub-groups whose group rank is not the global rank;
                    replays(schedules): whether posted P2P orders complete as blocking sends (or deadlock);
                    ring_bytes(op, V, W): the bytes one rank sends for a V-byte collective, ring algorithm
