@@ -329,7 +329,7 @@ def _trace_write():
     with open(path, "w") as f:
         f.write('{"traceEvents": [' + ",\n".join(texts) + '], "displayTimeUnit": "ms", "baseTimeNanoseconds": '
                 f'{min(bases)}, "distributedInfo": {json.dumps(mine.get("distributedInfo"))}}}')
-    log(f"trace of {world} rank(s), {sum(map(len, texts)) >> 20} MB: {path} (open it in ui.perfetto.dev)")
+    log(f"trace of {world} rank(s), {sum(map(len, texts)) / 2 ** 20:.1f} MB: {path} (open it in ui.perfetto.dev)")
 
 
 # ---- traffic: what this rank hands to c10d ------------------------------------------------------------------
