@@ -419,17 +419,19 @@ _FALLBACKS_SAID = set()
 
 
 def _block_kernels(q, fused=True):
-    """(forward, backward) of one block for q: the fused kernel where it takes q, else the explicit block,
-    saying why once."""
-    why = None
+    """(forward, backward) of one block for q: the fused kernel where it takes q, else the explicit block (saying
+    why, once)."""
     if not fused:
         return _explicit_block, _explicit_block_backward
-    if q.device.type == "cpu" and not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        why = f"torch {torch.__version__} has no CPU flash attention kernel"
-    elif q.device.type == "cuda" and (q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8
-                                      or q.shape[-1] > 256 or not torch.backends.cuda.is_flash_attention_available()):
-        why = f"FlashAttention takes fp16/bf16 and head dims of 8, 16, .. 256, not {q.dtype} and {q.shape[-1]}"
-    elif q.device.type not in ("cpu", "cuda"):
+    d, why = q.shape[-1], None
+    if q.device.type == "cpu":
+        if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+            why = f"torch {torch.__version__} has no CPU flash attention kernel"
+    elif q.device.type == "cuda":
+        if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256 or \
+                not torch.backends.cuda.is_flash_attention_available():
+            why = f"FlashAttention takes fp16/bf16 and head dims of 8, 16, .. 256, not {q.dtype} and {d}"
+    else:
         why = f"no fused attention kernel here for {q.device.type}"
     if why is None:
         return _fused_block, _fused_block_backward
@@ -889,6 +891,10 @@ def kernel_calls(fn):
     calls, products = [], []
 
     class Calls(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls):  # as common.traffic's: saves importing dynamo (~3 s a rank)
+            return False
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name, names = func._overloadpacket.__name__, [a.name for a in func._schema.arguments]
             if "flash_attention" in name:
@@ -918,6 +924,12 @@ def ring_fused_and_work(device):
                                    _explicit_block_backward(do, qt, kt, vt, *explicit[:2], causal, scale))
     log(f"one block, fused kernel == explicit block ({dtype}): output, log-sum-exp, and dq, dk, dv from them; "
         "causal square and full")
+    import warnings
+    with warnings.catch_warnings(record=True) as said:                   # where no fused kernel takes q
+        warnings.simplefilter("always")
+        kernels = [_block_kernels(torch.empty(2, 1, 1, 8, device="meta")) for _ in range(2)]
+    assert kernels == [(_explicit_block, _explicit_block_backward)] * 2 and len(said) == 1, said
+    log(f"no fused kernel (a meta tensor here): the explicit block, said once: {str(said[0].message)[16:]}")
     pairs = {}
     for causal in (False, True):
         qkv = [t.clone().requires_grad_() for t in (q, k, v)]
