@@ -426,24 +426,33 @@ def largest_tensor():
     return Largest()
 
 
-def check_embedding(group, device):
-    """VocabParallelEmbedding on `group` against nn.Embedding (exact): output, weight grad, traffic."""
+def check_embedding(group, device, sequence_parallel=False):
+    """VocabParallelEmbedding on `group` against nn.Embedding (exact): output, weight grad, traffic. ids [s, b] are
+    a non-contiguous view; sequence_parallel: s = N (every group size divides it), rank r gets rows r*s/W.. of s."""
     w, r = dist.get_world_size(group), dist.get_rank(group)
     dense = nn.Embedding(V, D, device=device, dtype=torch.float64)
-    ids = tokens(device, dist.get_world_size()).t()                  # (T, B): a non-contiguous view
-    layer = VocabParallelEmbedding.from_dense(dense, group)
+    ids = tokens(device, dist.get_world_size())
+    ids = torch.stack([ids.view(-1), ids.view(-1).flip(0)]).t() if sequence_parallel else ids.t()  # (s, b)
+    s, b = ids.shape
+    layer = VocabParallelEmbedding.from_dense(dense, group, sequence_parallel=sequence_parallel)
     lo, hi = layer.vocab_start, layer.vocab_end
     assert (lo, hi) == (r * V // w, (r + 1) * V // w) and torch.equal(layer.weight, dense.weight[lo:hi])
-    grad_out = torch.randn(T, B, D, device=device, dtype=torch.float64)
+    grad_out = torch.randn(s, b, D, device=device, dtype=torch.float64)
     ref = dense(ids)
     ref.backward(grad_out)
+    mine = slice(r * s // w, (r + 1) * s // w) if sequence_parallel else slice(None)  # this rank's rows of s
     with traffic() as fwd:
-        out = layer(ids)                                             # (T, B, D) on every rank
+        out = layer(ids)                                             # (s, b, D), or (s/W, b, D) under SP
     with traffic() as bwd:
-        out.backward(grad_out)
-    assert torch.equal(out, ref), "one nonzero term per token: the sum is exact"
+        out.backward(grad_out[mine])
+    assert torch.equal(out, ref[mine]), "one nonzero term per token: the sum is exact"
     assert torch.equal(layer.weight.grad, dense.weight.grad[lo:hi])
-    assert fwd.calls == [("all_reduce", ranks_of(group), N * D * 8)] * (w > 1) and bwd.calls == []
+    many, full = w > 1, s * b * D * 8
+    if sequence_parallel:
+        assert fwd.calls == [("reduce_scatter", ranks_of(group), full)] * many
+        assert bwd.calls == [("all_gather", ranks_of(group), full // w)] * many
+    else:
+        assert fwd.calls == [("all_reduce", ranks_of(group), full)] * many and bwd.calls == []
     return lo, hi, int(((ids >= lo) & (ids < hi)).sum())
 
 
@@ -512,12 +521,22 @@ def section_embedding(rank, world, device):
     lo, hi, held = check_embedding(None, device)
     log_all(f"holds rows [{lo}, {hi}): looks up {held} of the {N} ids; its other {N - held} outputs are zeros")
     log(f"output and weight-grad shards equal nn.Embedding's exactly; 1 all-reduce of N*D={N * D} forward, 0 backward")
+    check_embedding(None, device, sequence_parallel=True)
+    s, b = N, 2
+    log(f"sequence_parallel, ids [s={s}, b={b}]: rank r gets rows [r*s/W, (r+1)*s/W) of the sum, exactly as dense")
+    log(f"  1 reduce-scatter of s*b*D={s * b * D} forward (half an all-reduce's bytes), 1 all-gather of "
+        f"s/W*b*D={s * b * D // world} backward")
     if world > 1:
-        try:
-            VocabParallelEmbedding(V + 1, D)
-            raise AssertionError("V+1 rows should be refused")
-        except ValueError as e:
-            log(f"refused: {e}")
+        sp = VocabParallelEmbedding(V, D, device=device, sequence_parallel=True)
+        for why, bad in (("V+1 rows", lambda: VocabParallelEmbedding(V + 1, D)),
+                         ("s=W+1", lambda: sp(torch.zeros(world + 1, 2, dtype=torch.long, device=device)))):
+            with traffic() as sent:
+                try:
+                    bad()
+                    raise AssertionError(f"{why} should be refused")
+                except ValueError as e:
+                    log(f"refused: {e}")
+            assert sent.calls == [], "refused before any work"
 
 
 def section_loss(rank, world, device):
@@ -541,10 +560,11 @@ def section_loss(rank, world, device):
         f"{(world - 1) * 3 * N * b} B, all-reduces 6(W-1)/W*N*b = {6 * (world - 1) * N * b // world} B")
     log(f"same loss on every rank, input untouched; the largest tensor any op made: N x V/W = {N * V // world} "
         f"elements (the full logits: {N * V})")
-    slice_, full = N * V // world * b, N * V * b
-    log(f"bytes held (logits aside), one slice N x V/W = {slice_} B: ours peaks at {held_by['ours'] - slice_:+d} B "
-        f"over one slice (dlogits), keeps {N * (b + 10)} B (18 a token) from forward to backward; Megatron's "
-        f"peaks at 2 slices{held_by['megatron'] - 2 * slice_:+d} B and keeps its softmax; the full logits: {full} B")
+    a = N * V // world * b
+    log(f"bytes held besides the logits (slice A = N x V/W = {a} B; the full logits {N * V * b} B): ours peaks at "
+        f"A{held_by['ours'] - a:+d} B")
+    log(f"  (dlogits), keeps {N * (b + 10)} B = 18 B a token for backward; Megatron's peaks at "
+        f"2A{held_by['megatron'] - 2 * a:+d} B and keeps A (its softmax)")
 
 
 held_by = {}  # the last peak each form held, for the log
@@ -591,7 +611,8 @@ def section_dtypes(rank, world, device):
         for reduction, ignore_index, rows in (("none", -100, 3), ("mean", -100, T), ("sum", 7, 3)):
             _, fwd, held = check_loss(vocab_parallel_cross_entropy, z, target.masked_fill(ignored, ignore_index),
                                       chunk_numel=rows * B * V // world, label_smoothing=0.1, reduction=reduction,
-                                      ignore_index=ignore_index, keeps=loss_bytes(dtype, world, rows, reduction)["kept"])
+                                      keeps=loss_bytes(dtype, world, rows, reduction)["kept"],
+                                      ignore_index=ignore_index)
             assert fwd.calls == loss_calls(None, 4), "the fp32 numbers are gathered"
             assert_held(held, dtype, world, rows, reduction=reduction)
         _, fwd, held = check_loss(megatron_vocab_parallel_cross_entropy, z, target, label_smoothing=0.1)
@@ -606,7 +627,7 @@ def section_dtypes(rank, world, device):
     loss, _, _ = check_loss(vocab_parallel_cross_entropy, z, torch.full_like(target, -100))  # the default: mean
     assert loss.isnan()
     log("every token ignored: the mean is nan and the gradient 0, as F.cross_entropy's")
-    first = divmod(int(ignored.view(-1).nonzero()[0]), T)              # where the bad targets start: (0, 2)
+    first, said = divmod(int(ignored.view(-1).nonzero()[0]), T), None  # where the bad targets start: (0, 2)
     for fn, bad, also in ((vocab_parallel_cross_entropy, -1, " or ignore_index=-100"),
                           (vocab_parallel_cross_entropy, V, " or ignore_index=-100"),
                           (megatron_vocab_parallel_cross_entropy, -100, "")):  # Megatron's has no ignore_index
@@ -615,9 +636,9 @@ def section_dtypes(rank, world, device):
                 fn(z[..., slice(*vocab_range(V))], target.masked_fill(ignored, bad))
                 raise AssertionError(f"target {bad} should be refused")
             except ValueError as e:
-                said = str(e)
-                assert said == (f"target{list(first)}={bad} is not a class of the vocabulary: classes lie in "
-                                f"[0, {V}){also}"), said
+                assert str(e) == (f"target{list(first)}={bad} is not a class of the vocabulary: classes lie in "
+                                  f"[0, {V}){also}"), e
+                said = said if bad != V else str(e)
         assert sent.calls == [], "checked on every rank alone, without a collective"
     log(f"refused on every rank, no collective sent: {said}")
 
@@ -628,6 +649,7 @@ def section_subgroups(rank, world, device):
     groups = [dist.new_group(r) for r in all_ranks]                   # every rank makes every group, in order
     group = next(g for g, r in zip(groups, all_ranks) if rank in r)
     lo, hi, _ = check_embedding(group, device)
+    check_embedding(group, device, sequence_parallel=True)
     z = torch.randn(B, T, V, device=device, dtype=torch.float64)
     target = tokens(device, world)
     for megatron in (False, True):
@@ -637,7 +659,8 @@ def section_subgroups(rank, world, device):
     check_regions(group, device)
     check_lm_head(group, device)
     log_all(f"group {list(ranks_of(group))}, group rank {dist.get_rank(group)}: rows [{lo}, {hi})")
-    log("embedding, f and g, LM head and both losses equal their references on the sub-groups, traffic on them only")
+    log("embedding (SP too), f and g, LM head and both losses equal their references on the sub-groups, traffic on "
+        "them only")
 
 
 def check_lm_head(group, device):
