@@ -316,8 +316,8 @@ def _trace_write():
         e["pid"] = rank
         if "ts" in e:
             e["ts"] += shift
-        if e.get("ph") in ("s", "t", "f") and "id" in e:
-            e["id"] = (rank << 32) + int(e["id"])
+        if e.get("ph") in ("s", "t", "f") and isinstance(e.get("id"), int):
+            e["id"] += rank << 32
         events.append(e)
     events += [{"ph": "M", "pid": rank, "tid": tid, "name": "thread_name",
                 "args": {"name": "main thread" if tid == os.getpid() else name}} for tid, name in threads.items()]
