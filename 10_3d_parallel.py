@@ -484,6 +484,72 @@ def saved_activations(stage, readings):
         hook.remove()
 
 
+class SPMLPBlock(nn.Module):
+    """06's mlp_block as a module: this rank's TP shards of one dense LayerNorm + MLP, x + fc2(GeLU(fc1(LN(x)))),
+    [s/tp, b, h] in and out (SP). fc1's weight gets its gradient through 06's SP linear straight into main_grad."""
+
+    def __init__(self, ln, fc1, fc2, group):
+        super().__init__()
+        t, r, whole = dist.get_world_size(group), dist.get_rank(group), lambda w: nn.Parameter(w.detach().clone())
+        self.group, self.ln_w, self.ln_b, self.b2 = group, whole(ln.weight), whole(ln.bias), whole(fc2.bias)
+        self.w1, self.b1 = whole(fc1.weight.chunk(t, 0)[r]), whole(fc1.bias.chunk(t, 0)[r])  # fc1's rows
+        self.w2 = whole(fc2.weight.chunk(t, 1)[r])                                         # fc2's columns
+        for p in (self.ln_w, self.ln_b, self.b2):
+            p.sequence_parallel = True                        # applied to this rank's slice of s: summed over TP
+
+    def forward(self, x):
+        return seq_par.mlp_block(x, {n: getattr(self, n) for n in ("ln_w", "ln_b", "w1", "b1", "w2", "b2")},
+                                 True, self.group)
+
+    def shards_of(self, ln, fc1, fc2):
+        t, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return {"ln_w": ln.weight, "ln_b": ln.bias, "b2": fc2.bias, "w1": fc1.weight.chunk(t, 0)[r],
+                "b1": fc1.bias.chunk(t, 0)[r], "w2": fc2.weight.chunk(t, 1)[r]}
+
+
+def compose(world, device):
+    """06's SP MLP block inside 09's DDP, ZeRO-2 and ZeRO-3 on a tp x dp grid: 3 AdamW steps == one process."""
+    tp = 2 if world % 2 == 0 else 1
+    grid = Grid(world // tp, 1, tp)
+    head(f"06's SP MLP block in 09's DDP, ZeRO-2, ZeRO-3 on tp {tp} x dp {grid.dp_size}: 3 AdamW steps, 1 process")
+    s, b, h, f = 4 * tp, 2 * grid.dp_size, 8, 16
+    # eps 1 (gradients here are O(1)): the update is continuous in the gradient, so bf16's rounding moves it as
+    # little as it moves the gradient; with eps 1e-8 AdamW takes the sign of a near-zero gradient, which bf16 flips
+    hyper = dict(lr=0.01, betas=(0.9, 0.95), eps=1.0, weight_decay=0.1)
+    seq, rows = slice(grid.t * s // tp, (grid.t + 1) * s // tp), slice(grid.d * 2, grid.d * 2 + 2)
+    worst = {}
+    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 2 ** -7)):   # bf16: fp32 master and gradients
+        for cls in (data_par.DDP, data_par.ZeRO2, data_par.ZeRO3):
+            torch.manual_seed(1)
+            ln, fc1, fc2 = nn.LayerNorm(h), nn.Linear(h, f), nn.Linear(f, h)
+            dense = nn.ModuleList([ln, fc1, fc2]).to(device, torch.float64)
+            with torch.no_grad():                                     # start from values bf16 holds exactly
+                for p in dense.parameters():
+                    p.copy_(p.to(dtype))
+            block = SPMLPBlock(ln, fc1, fc2, grid.tp).to(dtype)
+            model = cls(block, 40, group=grid.dp, **hyper)
+            opt = torch.optim.AdamW(dense.parameters(), **hyper)
+            for step in range(3):
+                g = torch.Generator().manual_seed(10 + step)
+                x, target = (torch.randn(s, b, h, generator=g, dtype=torch.float64).to(device) for _ in range(2))
+                opt.zero_grad()
+                y = x + fc2(F.gelu(fc1(ln(x))))
+                (y * target).sum().backward()                         # the whole batch, one process
+                opt.step()
+                with model.no_sync():                                 # this rank: its replica's rows, its TP slice
+                    y = model(x[seq, rows].to(dtype))
+                    ((y.double() * target[seq, rows]).sum() * grid.dp_size).backward()  # DP averages: x dp
+                seq_par.allreduce_sequence_parallel_grads(block.parameters(), group=grid.tp)  # LN, b2: over TP
+                model.sync_gradients()
+                model.step()
+            got, scale = model.full_parameters(), max(p.abs().max().item() for p in dense.parameters())
+            err = max(((got[n].double() - w).abs().max().item() for n, w in block.shards_of(ln, fc1, fc2).items()))
+            worst[(dtype, cls.__name__)] = err / max(scale, 1)
+            assert worst[(dtype, cls.__name__)] <= tol, (cls.__name__, dtype, err)
+    log(f"DDP, ZeRO-2, ZeRO-3 == one process after 3 steps: float64 within 1e-12; bf16 (fp32 master) within 2^-7 "
+        f"(worst {max(v for (d, _), v in worst.items() if d == torch.bfloat16):.1e} of max(|w|, 1))")
+
+
 def check_grads(stage, gpt, share):
     grads = {n: p.main_grad for n, p in stage.named_parameters()}
     want = stage.shards_of(gpt, lambda p: share[p])
@@ -621,6 +687,7 @@ def main():
     rank, world, device = setup()
     grid = Grid(*shape)
     show_grid(grid, world)
+    compose(world, device)
     counted, stage, model, held = train(grid, device, zero)
     count_traffic(counted, grid, zero)
     count_memory(held, model, grid, zero)
