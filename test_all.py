@@ -733,6 +733,14 @@ def test_log_all_on_a_sub_group(tmp_path):
     assert run_.outs[2] == run_.outs[3] == "", run_.report()
 
 
+def test_bad_bench_is_one_line_on_every_rank():
+    """03's BENCH takes 1 (the table) or 0 / unset (the lesson); anything else is refused before any work. The
+    table itself is not run here (a minute or two); each op's result is checked inside it."""
+    run_ = launch("03_allreduce_rs_ag.py", 2, extra_env={"BENCH": "yes"}, real_exit=False)
+    assert run_.codes == [2, 2] and run_.seconds < 10, run_.report()
+    assert all(len(e.strip().splitlines()) == 1 and "BENCH='yes'" in e for e in run_.errs), run_.report()
+
+
 @pytest.mark.parametrize("where", ["file", "file/sub"])
 def test_bad_trace_directory_is_one_line_on_every_rank(tmp_path, where):
     (tmp_path / "file").write_text("")
