@@ -656,7 +656,8 @@ def scale(overrides, zero):
             calls, b = by_group.get(kind, (0, 0))
             by_group[kind] = (calls + n, b + sent)
         per_stage.append(by_group)
-        log(f"stage {stage}: {numel / 1e6:,.1f} million parameters a rank, {numel * c['ep'] / 1e9:.2f} GB")
+    log("parameters a rank: " + ", ".join(f"stage {s} {stage_numel(c, s) / 1e6:,.1f} million "
+                                          f"({stage_numel(c, s) * c['ep'] / 1e9:.2f} GB)" for s in stages))
     log(f"{f'ZeRO-{zero}':10} " + " ".join(f"{f'stage {s}: calls':>15} {'GB sent':>8} {'seconds':>8}" for s in stages))
     for kind in sorted(set().union(*per_stage)):
         cells = [by_group.get(kind, (0, 0)) for by_group in per_stage]
@@ -673,9 +674,7 @@ def scale(overrides, zero):
         log(f"{f'ZeRO-{z}':10} " + " ".join(f"{d['parameters'] / 1e9:>15.1f} {d['gradients'] / 1e9:>6.1f} "
                                              f"{d['optimizer'] / 1e9:>6.1f} {d['activations'] / 1e9:>6.1f} "
                                              f"{sum(d.values()) / 1e9:>6.1f}" for d in cells))
-    log(f"ZeRO-2/3 hold the whole gradient while {c['m']} micro-batches add up; reducing each keeps 1/dp for {c['m']} "
-        f"x the DP bytes:")
-    log("(DeepSpeed's pipeline engine takes ZeRO-1 at most; Megatron's distributed optimizer is ZeRO-1 + full grads)")
+    log(f"ZeRO-2/3 keep the whole gradient while {c['m']} micro-batches add up (reducing each: {c['m']} x the DP bytes)")
 
 
 def main():
