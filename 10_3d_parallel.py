@@ -24,8 +24,8 @@ embedding group: all are sums, so every order gives the same gradient.
 One step, bytes each rank SENDS (ring: all-reduce 2(n-1)/n of its input, all-gather (n-1) x, reduce-scatter
 (n-1)/n); A = s*b*h*e one micro-batch's whole activation, m micro-batches, t = tp, L/pp layers a stage:
   TP per layer and micro-batch: 6 all-gathers of A/t (2 forward, 2 SP re-gathers, 2 reduce-scatter backwards)
-      and 4 reduce-scatters of A: 10 (t-1)/t A. Stage 0 per micro-batch: the embedding's reduce-scatter (an
-      all-reduce, then a split, with a 07 that lacks sequence_parallel) and its backward all-gather. Last
+      and 4 reduce-scatters of A: 10 (t-1)/t A. Stage 0 per micro-batch: the embedding's reduce-scatter
+      and its backward all-gather, 2 (t-1)/t A (an all-reduce, then a split, would send 3 (t-1)/t A). Last
       stage: the head's 2 all-gathers + 1 reduce-scatter, and the loss's all-gather of 3 fp32 per token.
       Per step: the SP gradients' all-reduce, 5h per layer (+2h on the last stage)
   PP per micro-batch: A/t forward unless last stage, A/t back unless first; embedding group once: V/t*h
@@ -44,7 +44,6 @@ one process. Then it trains the GPT, counts one step's collectives per group (co
 import contextlib
 import copy
 import importlib
-import inspect
 from fractions import Fraction
 
 import torch
@@ -58,8 +57,6 @@ seq_par = importlib.import_module("06_sequence_parallel")    # sequence-parallel
 vocab_par = importlib.import_module("07_vocab_parallel")     # VocabParallelEmbedding, the vocab-parallel loss
 pipeline = importlib.import_module("08_pipeline_1f1b")       # schedule_1f1b, P2PCommunicator, run_schedule
 data_par = importlib.import_module("09_ddp_zero2")           # ZeRO-2, ZeRO-3 (nn.Modules, main_grad handshake)
-# 07's embedding reduce-scatters straight to the sequence split (Megatron's reduce_scatter_embeddings) where it can
-SP_EMBEDDING = "sequence_parallel" in inspect.signature(vocab_par.VocabParallelEmbedding.from_dense).parameters
 
 
 class Grid:
@@ -139,8 +136,8 @@ class GPTStage(nn.Module):
                 p.sequence_parallel = True                            # applied to this rank's slice of s
             self.layers.append(mine)
         if self.is_first:
-            sp = dict(sequence_parallel=True) if SP_EMBEDDING else {}
-            self.embed = vocab_par.VocabParallelEmbedding.from_dense(gpt.embed, tp, **sp)
+            # its partial sums reduce-scattered straight to [s/tp, b, h] (Megatron's reduce_scatter_embeddings)
+            self.embed = vocab_par.VocabParallelEmbedding.from_dense(gpt.embed, tp, sequence_parallel=True)
         if self.is_last:
             self.ln_f = copy.deepcopy(gpt.ln_f)
             for p in self.ln_f.parameters():
@@ -157,8 +154,7 @@ class GPTStage(nn.Module):
 
     def forward(self, x):
         if self.is_first:                                             # ids [b, s] -> [s, b] -> [s/tp, b, h]
-            x = self.embed(x.t()) if SP_EMBEDDING else \
-                seq_par.scatter_to_sequence_parallel_region(self.embed(x.t()), self.group)
+            x = self.embed(x.t())
         for blk in self.layers:
             x = x + blk.attn(blk.ln1(x))
             x = x + blk.mlp(blk.ln2(x))
@@ -242,8 +238,8 @@ def step_traffic(c, stage):
 
     add("tp", "all_gather", t, 6 * per * m, A // t)   # per layer: 2 forward, 2 re-gathers and 2 of RS's backward
     add("tp", "reduce_scatter", t, 4 * per * m, A)    # 2 forward (row layers), 2 backward (column layers' dx)
-    if first:                                         # the embedding: reduce-scatter (SP) or all-reduce + split
-        add("tp", "reduce_scatter" if c.get("sp_embedding", True) else "all_reduce", t, m, A)
+    if first:                                         # the embedding: reduce-scatter to the sequence split
+        add("tp", "reduce_scatter", t, m, A)
         add("tp", "all_gather", t, m, A // t)                         # its backward
     if last:
         add("tp", "all_gather", t, 2 * m, A // t)                     # the head's input, again in backward
@@ -589,7 +585,7 @@ def tally(calls, grid):
 
 def toy_config(grid, zero=2):
     c = dict(hidden=HIDDEN, ffn=FFN, layers=LAYERS, seq=SEQ, vocab=VOCAB, micro=MICRO, m=M, dp=grid.dp_size,
-             pp=grid.pp_size, tp=grid.tp_size, e=8, eg=8, ep=8, sp_embedding=SP_EMBEDDING, zero=zero)
+             pp=grid.pp_size, tp=grid.tp_size, e=8, eg=8, ep=8, zero=zero)
     c["buckets"] = [-(-stage_numel(c, grid.p) // grid.dp_size) * grid.dp_size]  # one bucket, padded to dp
     return c
 
