@@ -322,7 +322,7 @@ def _trace_write():
     events += [{"ph": "M", "pid": rank, "tid": tid, "name": "thread_name",
                 "args": {"name": "main thread" if tid == os.getpid() else name}} for tid, name in threads.items()]
     texts = [None] * world if rank == 0 else None
-    dist.gather_object(json.dumps(events)[1:-1], texts, dst=0)  # each rank's events, as JSON text
+    dist.gather_object(json.dumps(events, separators=(",", ":"))[1:-1], texts, dst=0)  # this rank's events, as JSON
     if rank != 0:
         return
     path = os.path.join(t["dir"], os.path.splitext(_script())[0] + ".json")
