@@ -159,6 +159,7 @@ except ImportError:  # the blocks above, imported alone where common.py is absen
 F64 = torch.float64
 
 
+# checking helpers (a reader may skip to the sections below): views, payloads, traffic asserts
 def column_major(t):
     """t's values in column-major memory (what .T of a transposed result gives): a view that is not contiguous."""
     return t.T.contiguous().T

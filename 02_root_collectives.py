@@ -176,6 +176,7 @@ except ImportError:  # the blocks above, imported alone where common.py is absen
 F64 = torch.float64
 
 
+# checking helpers (a reader may skip to the sections below): groups and roots, inputs, traffic asserts
 def cases(W):
     """(group, its global ranks, root) to run every block on, the same list on every rank: the world rooted at 0
     and at W-1; the strided groups {0, 2, ..} and {1, 3, ..} rooted at their last rank (group rank != global

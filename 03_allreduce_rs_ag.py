@@ -204,6 +204,7 @@ except ImportError:  # the blocks above, imported alone where common.py is absen
     pass
 
 
+# checking helpers (a reader may skip to the sections below): torch's own collectives, views, the checker
 def torch_functional_collectives():
     """torch's own differentiable collectives to compare ours with, or None where this torch has none that fit."""
     import torch.distributed._functional_collectives as funcol

@@ -194,6 +194,7 @@ E, H, FFN, N = 8, 4, 8, 8        # experts, hidden size, expert hidden size, tok
 F64 = torch.float64
 
 
+# checking helpers (a reader may skip to the sections below): views, the one-process MoE, the checker
 def members_of(group):
     members = dist.get_process_group_ranks(group or dist.group.WORLD)
     return members, len(members), dist.get_rank(group)
