@@ -441,8 +441,9 @@ def bench(rank, W, device, sizes=tuple(8 << 2 * k for k in range(13)) + (256 << 
     dst = torch.zeros_like(src)
     copy = timed(lambda: dst.copy_(src), device, 0.5)
     del src, dst
+    limit = "the most loopback gloo can approach" if device.type == "cpu" else "GPU memory, far above any link"
     log(f"memory copy (copy_ of {sizes[-1] >> 20} MiB on every rank at once): {sizes[-1] / copy / 1e9:.1f} GB/s "
-        f"per rank, the most loopback gloo can approach")
+        f"per rank, {limit}")
     ops = bench_ops(rank, W, device)
     log("algbw = S/t; busbw = algbw x 2(W-1)/W (all_reduce), (W-1)/W (all_gather, reduce_scatter, all_to_all), "
         "1 (broadcast)")
