@@ -1046,7 +1046,8 @@ def ring_benchmark(s=4096, b=1, h=8, d=64, rounds=int(os.environ.get("BENCH_ROUN
     from torch.nn.attention.bias import causal_lower_right
     rank, P, device = setup()
     head(f"BENCH: causal attention fwd+bwd, [s, b, h, d] = [{s}, {b}, {h}, {d}], fp32, {P} ranks "
-         f"({torch.get_num_threads()} thread(s) a rank)")
+         f"({torch.get_num_threads()} thread(s) a rank; load average {os.getloadavg()[0]:.1f} on "
+         f"{len(os.sched_getaffinity(0))} cores)")
     g = torch.Generator().manual_seed(0)
     whole = [torch.randn(s, b, h, d, generator=g).to(device) for _ in range(4)]     # q, k, v, dout: every rank
     mine = [zigzag_shard(t, 0).contiguous() for t in whole]
@@ -1111,6 +1112,7 @@ def ring_benchmark(s=4096, b=1, h=8, d=64, rounds=int(os.environ.get("BENCH_ROUN
             list(fn())
             sync(device)
             ms[name].append(1e3 * (time.perf_counter() - t0))
+    log(f"load average now {os.getloadavg()[0]:.1f}")
     for name in sides:
         ratio = statistics.median(a / b for a, b in zip(ms["ours"], ms[name]))
         log(f"{name:24} {statistics.median(ms[name]):8.1f} ms   ours / it: x{ratio:.2f} (median of per-round ratios)")
