@@ -328,7 +328,6 @@ class DDP(nn.Module):
                 self._finish(b)
             b.pending = False
             b.ready.clear()
-            b.written.clear()
             b.main.zero_()
             if b.grad is not None and b.grad is not b.main:
                 b.grad = None  # ZeRO: the full-size buffer is allocated again by the next backward
@@ -1034,6 +1033,16 @@ def check_bf16(rank, W, device, base):
             err = (full[name].float() - p.float()).abs() / p.float().abs().clamp(min=1)  # in units of max(|x|, 1)
             worst = max(worst, err.max().item())
     assert worst <= 2 ** -6, worst
+    for model in models:  # a checkpoint: the masters come from the optimizer's state, not the bf16 values
+        other = copy.deepcopy(low)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(1)
+        fresh = type(model)(other, BUCKET, None, ADAMW[0], **ADAMW[1])
+        fresh.load_state_dict(model.state_dict())  # the model alone: masters = the bf16 values, widened
+        assert all(torch.equal(f.opt, f.local.float()) for f in fresh.buckets)
+        fresh.load_optimizer_state_dict(model.optimizer_state_dict())
+        assert all(torch.equal(f.opt, b.opt) for f, b in zip(fresh.buckets, model.buckets))  # fp32, exactly
     log(f"DDP, ZeRO-2, ZeRO-3: parameters within {worst:.4f} x max(|x|, 1) of one process after 2 AdamW steps "
         f"(bound 2^-6, two bf16 steps: bf16 gradients of other row groupings)")
     log("the gathered bf16 parameters == this rank's fp32 master, rounded; gathers move bf16, reductions fp32")
@@ -1143,12 +1152,14 @@ def check_module(rank, W, device, base):
         assert not model.module.l1.training
         model.train()
         assert model.module.l1.training
-        F.cross_entropy(model(batches[rank][0]), batches[rank][1]).backward()
+        with model.no_sync():  # gradients of this rank alone, which zero_grad() below drops
+            F.cross_entropy(model(batches[rank][0]), batches[rank][1]).backward()
         if cls is not DDP:  # p.grad outside backward: ZeRO holds shards, so torch's clip would see nothing
             clip = expect(RuntimeError, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         model.zero_grad()   # drops this backward's gradients: step() has nothing to step
         expect(RuntimeError, model.step)
         assert all(not b.main.any() for b in model.buckets) and model.module.l1.weight.grad is None
+        model.optimizer.zero_grad()  # torch's habit: harmless (the wrapper hands the optimizer its gradients)
         F.cross_entropy(model(batches[rank][0]), batches[rank][1]).backward()
         model.step()
         in_flight = sum(b.gather is not None for b in model.buckets)
