@@ -410,7 +410,9 @@ def show_grid(grid, world):
 
 
 def train(grid, device, zero):
-    """The same GPT trained STEPS steps in one process (whole batch) and on the grid; one step's traffic counted."""
+    """The same GPT trained STEPS steps in one process (whole batch) and on the grid; one step's traffic counted,
+    the bytes held measured: gradients at their peak (step 1), activations after each forward (step 2), the rest
+    after the last step."""
     head(f"{STEPS} AdamW steps on the grid against one process on the whole batch, float64")
     torch.manual_seed(0)
     gpt = GPT(VOCAB, HIDDEN, HEADS, FFN, LAYERS, dtype=torch.float64).to(device)
@@ -427,8 +429,8 @@ def train(grid, device, zero):
         ref_loss = F.cross_entropy(gpt(ids).flatten(0, 1), targets.flatten())
         ref_loss.backward()
         check = None
-        if step == 0:      # this replica's share of the gradient: what ZeRO-2 is handed
-            share = F.cross_entropy(gpt(ids[rows]).flatten(0, 1), targets[rows].flatten())  # ZeRO-2 averages
+        if step == 0:      # this replica's share of the gradient: what ZeRO is handed
+            share = F.cross_entropy(gpt(ids[rows]).flatten(0, 1), targets[rows].flatten())  # ZeRO averages
             share = dict(zip(gpt.parameters(), torch.autograd.grad(share, list(gpt.parameters()))))
             check = lambda: check_grads(stage, gpt, share)
         opt.step()
@@ -444,7 +446,7 @@ def train(grid, device, zero):
     held.update(parameters=held_bytes([t for b in model.buckets for t in (b.flat, b.local)]),
                 optimizer=held_bytes(state + [b.opt for b in model.buckets if b.opt is not b.local]),
                 activations=max(kept), first=kept[0])   # (ZeRO-2's all-gather may still be in flight: bytes alike)
-    params = model.full_parameters()                                  # waits for ZeRO-2's last all-gather
+    params = model.full_parameters()                  # waits for ZeRO-2's last all-gather; ZeRO-3 gathers
     for name, want in stage.shards_of(gpt).items():
         torch.testing.assert_close(params[name], want, rtol=1e-10, atol=1e-12, msg=lambda s: f"{name}: {s}")
     log(f"after {STEPS} steps every parameter shard on every rank == its slice of the one-process GPT")
@@ -462,8 +464,8 @@ def saved_activations(stage, readings):
 
     def pack(t):
         s = t.untyped_storage()
-        if s._cdata not in params and s.device.type != "meta":
-            refs.setdefault(s._cdata, StorageWeakRef(s))
+        if s._cdata not in params and s.device.type != "meta" and (s._cdata not in refs or refs[s._cdata].expired()):
+            refs[s._cdata] = StorageWeakRef(s)          # (an expired entry's address may be reused by a new one)
         return t
 
     def live(*_):
@@ -670,7 +672,7 @@ def scale(overrides, zero):
         log(f"{f'ZeRO-{z}':10} " + " ".join(f"{d['parameters'] / 1e9:>15.1f} {d['gradients'] / 1e9:>6.1f} "
                                              f"{d['optimizer'] / 1e9:>6.1f} {d['activations'] / 1e9:>6.1f} "
                                              f"{sum(d.values()) / 1e9:>6.1f}" for d in cells))
-    log(f"ZeRO-2/3 keep the whole gradient while {c['m']} micro-batches add up (reducing each: {c['m']} x the DP bytes)")
+    log(f"ZeRO-2/3 keep the whole gradient while {c['m']} micro-batches add up (reducing each: {c['m']} x DP's bytes)")
 
 
 def main():
