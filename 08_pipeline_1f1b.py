@@ -250,7 +250,8 @@ def schedule_interleaved_1f1b(num_stages, stage, num_microbatches, num_chunks):
 
     Chunk c of stage s runs model chunk c*p + s. Forwards take p micro-batches through chunk 0, the same p
     through chunk 1, ..., then the next p; backwards go the same way from the last chunk. Warm-up:
-    2(p - s - 1) + (v - 1)p forwards, then F, B pairs, then the Bs left."""
+    2(p - s - 1) + (v - 1)p forwards (the last stage meets micro-batch 0's last chunk after (v - 1)p of them;
+    stage s waits 2(p - s - 1) chunk ops more for its gradient to come back), then F, B pairs, then the Bs left."""
     _check_schedule(num_stages, stage, num_microbatches)
     p, m, v = num_stages, num_microbatches, num_chunks
     if v < 1 or m % p:
