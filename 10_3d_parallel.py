@@ -616,6 +616,7 @@ def count_memory(held, model, grid, zero):
     head(f"bytes each rank holds at its peak (ZeRO-{zero}, float64), measured against the closed forms")
     c = toy_config(grid, zero)
     [numel] = [b.numel for b in model.buckets]                        # one bucket: the stage, padded to dp
+    assert [numel] == c["buckets"], (numel, c["buckets"])            # stage_numel, the scale tables' count
     k = min(grid.pp_size - grid.p, M)                                 # 1F1B: micro-batches in flight on stage p
     c["act_stage"] = held["first"]                                    # one micro-batch's on this stage, measured
     want = step_memory(c, grid.p, zero, numel)
