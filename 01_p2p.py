@@ -302,7 +302,7 @@ def posted_order(rank, W, device):
     schedules = [None] * W
     dist.all_gather_object(schedules, posted)
     assert replays(schedules) and (W == 1 or not replays([sorted(s, key=lambda op: op[0] == "recv")
-                                                               for s in schedules]))
+                                                           for s in schedules]))
     log("the order every rank posted, replayed as blocking sends, completes; all sends first would deadlock")
     try:
         p2p_ops(recv_prev=torch.empty(3, 2, dtype=F64, device=device)[:, 0])
