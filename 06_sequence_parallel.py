@@ -541,7 +541,7 @@ except ImportError:  # the blocks above, imported alone where common.py is absen
 
 S, B, NH, D = 48, 2, 24, 2     # [s, b]; Ulysses' 24 heads of 2: s/(2P) and heads divide for P in 1, 2, 3, 4, 6, 8
 H, FFN = NH * D, 48            # the MLP block's width (the attention layer's, so their bytes compare) and fc1's
-RING_HEADS, RING_D = 5, 4      # ring attention: 5 heads, which no P > 1 here divides (Ulysses refuses them)
+RING_HEADS, RING_D = 5, 8      # ring attention: 5 heads, which no P > 1 here divides (Ulysses refuses them)
 SENT = {"all_reduce": lambda b, n: 2 * (n - 1) * b // n, "all_gather": lambda b, n: (n - 1) * b,  # ring algorithms
         "reduce_scatter": lambda b, n: (n - 1) * b // n, "all_to_all": lambda b, n: (n - 1) * b // n,
         "send": lambda b, n: b, "recv": lambda b, n: 0}
