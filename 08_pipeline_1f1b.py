@@ -832,17 +832,16 @@ def equal_one_process(full, device, world):
     for (fn, batched, rows), stages in zip(combos, runs):
         if batched:
             ma = len(rows) * ROWS * HIDDEN * 8       # m*A: one activation per micro-batch
-            log(f"{NAME[fn]:11} loss {stages[-1]['loss']:.6f}, {2 * len(full)} grads match; sent "
-                f"{[r['sent'] // ma for r in stages]} x m*A; peak {[round(r['peak'] / r['a'], 1) for r in stages]} A, "
-                f"kept {[r['most'] // r['a'] for r in stages]} A")
+            over = [(r['peak'] - r['most']) / r['a'] for r in stages]
+            log(f"{NAME[fn]:11} loss, {2 * len(full)} grads match; sent {[r['sent'] // ma for r in stages]} m*A; kept "
+                f"{[r['most'] // r['a'] for r in stages]} A, peak kept + {min(over):.1f}..{max(over):.1f} A")
     for i in (0, 1):                                 # batched, ordered: the loop and the runner post the same calls
         assert [r["log"] for r in runs[i]] == [r["log"] for r in runs[2 + i]], "run_schedule != the 1F1B loop"
-    log(f"m = {M} (interleaved {m_int}), A = {ROWS}x{HIDDEN}x8 bytes; peak = bytes held at once (memory()); kept = "
-        f"the model's closed form for the schedule's micro-batches and messages;")
-    log("kept <= peak < kept + one op's temporaries (one process) + A/2; one message in flight at most; nothing left "
-        "after the step; the 1F1B loop and run_schedule post the same calls;")
-    log("every run's calls replay as NCCL runs them (one by one, and each call one group), one peer per call, and "
-        "each message reaches the receive that expects it")
+    log(f"m = {M} (interleaved {m_int}), A = {ROWS}x{HIDDEN}x8 bytes; kept: the model's closed form for what the")
+    log("schedule's micro-batches and messages keep; peak (memory()) < kept + one op's temporaries + A/2;")
+    log("one message in flight at most; nothing left after the step; the 1F1B loop and run_schedule post the same")
+    log("calls; every run's calls replay as NCCL runs them (one by one; each call one group), one peer a call, and")
+    log("each message reaches the receive that expects it")
 
 
 def timelines(full, device, world):
@@ -876,7 +875,8 @@ def any_m(full, device, world):
     sweep.append((schedule_interleaved_1f1b, False, rows(2 * world)))
     runs = check_pipeline(full, device, sweep, variable=True)
     log(f"1F1B and ZB-H1 at m = {ms}, interleaved at m = {2 * world}, rows 1, 4, 2, 5, 3, ...: losses and grads "
-        f"match; calls replay, one message in flight at most")
+        f"match;")
+    log("calls replay as NCCL runs them, one message in flight at most")
 
 
 def two_stage_trick(full, device, world):
