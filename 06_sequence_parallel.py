@@ -945,9 +945,8 @@ def ring_fused_and_work(device):
     every = [None] * P
     dist.all_gather_object(every, pairs)
     assert all(p == {False: [S * S // P] * 2, True: [S * (S + 1) // (2 * P)] * 2} for p in every), every
-    log(f"by default: {P} fused kernel calls forward and {P} backward (one a ring step), no matrix product")
-    log(f"query-key pairs each rank asks of the kernel: {pairs[False][0]} = s^2/P without mask; causal "
-        f"{pairs[True][0]} = s(s+1)/2P on every rank (zig-zag's count: no masked pair beyond the diagonals)")
+    log(f"by default one fused kernel call a ring step ({P} forward, {P} backward, no matrix product), asked for "
+        f"{pairs[False][0]} = s^2/P query-key pairs, causal {pairs[True][0]} = s(s+1)/2P on every rank (no more)")
 
 
 def ring_step_bytes(P, r, n, d, bh, causal):
@@ -989,10 +988,9 @@ def ring_memory(device):
     with memory() as explicit:
         ring_attention(*qkv, is_causal=False, fused=False)
     assert explicit.peak >= b * h * n * n * 4                             # the meter sees a score when one exists
-    log(f"peak bytes a ring step holds (n = s/P = {n}, d {d}, {h} heads, {dtype}): forward {fwd.peak}, backward "
-        f"{bwd.peak} == closed form (messages, accumulators, one block's output), < one head's score {score}")
-    log(f"explicit blocks: {explicit.peak} B, {explicit.peak / score:.1f} x one head's score (the fused kernel's "
-        "own tiles are below what the meter sees)")
+    log(f"peak bytes of a ring step (n = s/P = {n}, d {d}, {h} heads, {dtype}): forward {fwd.peak}, backward "
+        f"{bwd.peak} == closed form, < one head's score {score}; explicit blocks {explicit.peak} B (the meter does "
+        "not see the kernel's own tiles)")
 
 
 def ring_bf16(qkv, dout, sdpa, device):
