@@ -188,8 +188,10 @@ def ring_all_reduce(x, group=None):
     W, r = dist.get_world_size(group), dist.get_rank(group)
     out = x.detach().clone(memory_format=torch.contiguous_format)
     chunks = out.view(-1).tensor_split(W)               # views into out, summed in place
-    _ring_steps(chunks, r - 1, add=True, group=group)   # then rank r holds the full sum of chunk r
-    _ring_steps(chunks, r, add=False, group=group)      # pass the finished chunks around
+    with torch.profiler.record_function("ring reduce-scatter"):   # the two phases, labelled in a trace
+        _ring_steps(chunks, r - 1, add=True, group=group)   # then rank r holds the full sum of chunk r
+    with torch.profiler.record_function("ring all-gather"):
+        _ring_steps(chunks, r, add=False, group=group)      # pass the finished chunks around
     return out
 
 

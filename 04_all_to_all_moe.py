@@ -135,17 +135,18 @@ def moe_all_to_all(x, expert_idx, gates, local_experts, num_experts, capacity=No
         recv_ids = torch.arange(L, device=dev).repeat(W).repeat_interleave(recv_counts.flatten(),
                                                                            output_size=sum(out_splits))
 
-    # dispatch
-    send = x.new_zeros(n_send, x.shape[1]).index_copy(0, slot, x[tok])
-    recv = all_to_all(send, out_splits, in_splits, group)                   # rows by (source rank, expert)
-    # experts
-    y = torch.zeros_like(recv)
-    for l, expert in enumerate(local_experts):
-        rows = (recv_ids == l).nonzero().squeeze(1)
-        y = y.index_copy(0, rows, expert(recv[rows]))
-    # combine: the reverse trip, then the gate-weighted sum back in token order
-    back = all_to_all(y, in_splits, out_splits, group)                      # [rows of send, h]
-    out = torch.zeros_like(x).index_add(0, tok, g[:, None] * back[slot])
+    label = torch.profiler.record_function                                  # the three phases, named in a trace
+    with label("moe dispatch"):
+        send = x.new_zeros(n_send, x.shape[1]).index_copy(0, slot, x[tok])
+        recv = all_to_all(send, out_splits, in_splits, group)               # rows by (source rank, expert)
+    with label("moe experts"):
+        y = torch.zeros_like(recv)
+        for l, expert in enumerate(local_experts):
+            rows = (recv_ids == l).nonzero().squeeze(1)
+            y = y.index_copy(0, rows, expert(recv[rows]))
+    with label("moe combine"):                                               # the reverse trip, then the
+        back = all_to_all(y, in_splits, out_splits, group)                  # gate-weighted sum in token order
+        out = torch.zeros_like(x).index_add(0, tok, g[:, None] * back[slot])
     return out, dict(keep=keep, dropped=int((~keep).sum()))
 
 
