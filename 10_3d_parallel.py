@@ -517,7 +517,7 @@ def compose(world, device):
     hyper = dict(lr=0.01, betas=(0.9, 0.95), eps=1.0, weight_decay=0.1)
     seq, rows = slice(grid.t * s // tp, (grid.t + 1) * s // tp), slice(grid.d * 2, grid.d * 2 + 2)
     worst = {}
-    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 2 ** -7)):   # bf16: fp32 master and gradients
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2 ** -16), (torch.bfloat16, 2 ** -7)):
         for cls in (data_par.DDP, data_par.ZeRO2, data_par.ZeRO3):
             torch.manual_seed(1)
             ln, fc1, fc2 = nn.LayerNorm(h), nn.Linear(h, f), nn.Linear(f, h)
@@ -541,12 +541,21 @@ def compose(world, device):
                 seq_par.allreduce_sequence_parallel_grads(block.parameters(), group=grid.tp)  # LN, b2: over TP
                 model.sync_gradients()
                 model.step()
+            if cls is not data_par.DDP:                               # bytes held: ZeRO's closed forms
+                ep = torch.finfo(dtype).bits // 8                     # gradients and AdamW in fp32 or wider
+                c = dict(dp=grid.dp_size, ep=ep, eg=max(ep, 4), pp=1, m=1, layers=1, act=0)
+                want = step_memory(c, 0, 3 if cls is data_par.ZeRO3 else 2, sum(bk.numel for bk in model.buckets))
+                state = [t for st in model.optimizer.state.values() for t in st.values() if t.dim()]
+                assert (held_bytes([t for bk in model.buckets for t in (bk.flat, bk.local)]) == want["parameters"]
+                        and held_bytes(state + [bk.opt for bk in model.buckets if bk.opt is not bk.local]) ==
+                        want["optimizer"]), (cls.__name__, dtype, want)
             got, scale = model.full_parameters(), max(p.abs().max().item() for p in dense.parameters())
             err = max(((got[n].double() - w).abs().max().item() for n, w in block.shards_of(ln, fc1, fc2).items()))
             worst[(dtype, cls.__name__)] = err / max(scale, 1)
             assert worst[(dtype, cls.__name__)] <= tol, (cls.__name__, dtype, err)
-    log(f"DDP, ZeRO-2, ZeRO-3 == one process after 3 steps: float64 within 1e-12; bf16 (fp32 master) within 2^-7 "
-        f"(worst {max(v for (d, _), v in worst.items() if d == torch.bfloat16):.1e} of max(|w|, 1))")
+    log(f"DDP, ZeRO-2, ZeRO-3 == one process after 3 steps: float64 within 1e-12, fp32 2^-16, bf16 (fp32 master) "
+        f"2^-7 (worst {max(v for (d, _), v in worst.items() if d == torch.bfloat16):.1e}) of max(|w|, 1)")
+    log("ZeRO's parameter and optimizer bytes == the closed forms in each dtype (fp32 master beside bf16 only)")
 
 
 def check_grads(stage, gpt, share):
