@@ -176,6 +176,8 @@ class DDP(nn.Module):
     Megatron's main_grad handshake: a layer that adds its weight gradient into `p.main_grad` itself sets
     `p.grad_added_to_main_grad = True` and returns a placeholder gradient; the hook then adds nothing.
     overlap=False starts the collectives only in sync_gradients()/step(): the same arithmetic, no overlap.
+    A parameter no gradient reached since the last step is stepped with a zero gradient (momentum and weight
+    decay still act), where torch's optimizers skip a parameter whose .grad is None.
     """
     _param_class = _DataParallelParameter
 
@@ -1166,6 +1168,7 @@ def check_module(rank, W, device, base):
         assert in_flight == (len(model.buckets) if cls is ZeRO2 else 0), in_flight
         if cls is ZeRO3:    # outside forward a parameter holds no values: one line, never freed storage
             read = expect(RuntimeError, lambda: model.module.l1.weight.norm())
+            assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in base.parameters())  # shapes
             with model.gathered():
                 values = {n: p.clone() for n, p in model.module.named_parameters(remove_duplicate=False)}
                 with torch.no_grad():
@@ -1337,8 +1340,23 @@ def check_outside(W, device):
     assert held_bytes(b.flat for b in model.buckets) == 0  # after forward: freed, the outside use's bucket too
     F.cross_entropy(out, tgt).backward()
     assert held_bytes(b.flat for b in model.buckets) == 0  # after backward: freed
+    # a step in which one layer gets no gradient: its bucket, gathered for the other, is freed at the step (not
+    # kept with old values), and the layer is stepped with a zero gradient
+    net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)).to(device, torch.float64)
+    ref, model = copy.deepcopy(net), ZeRO3(copy.deepcopy(net), 100, None, ADAMW[0], **ADAMW[1])  # one bucket
+    opt = ADAMW[0](ref.parameters(), **ADAMW[1])
+    x = torch.linspace(-1, 1, 12, dtype=torch.float64, device=device).view(4, 3)  # the same on every rank
+    for layers in (2, 1, 2):
+        opt.zero_grad(set_to_none=False)  # zeros where no gradient comes, as the wrapper steps them
+        ref[:layers](x).pow(2).sum().backward()
+        opt.step()
+        (model(x) if layers == 2 else model.module[0](x)).pow(2).sum().backward()
+        model.step()
+        for name, p in model.full_parameters().items():
+            torch.testing.assert_close(p, ref.get_parameter(name), rtol=1e-10, atol=1e-12)
     log(f"ZeRO-3 == one process, {STEPS} steps (every mode); it gathers emb.weight's bucket for the head's use and "
-        f"again before that use's backward: one all-gather more per micro-batch, counted")
+        f"again before that use's backward: one all-gather more per micro-batch, counted; freed after each")
+    log("a step where one layer gets no gradient: == torch's AdamW stepping it with a zero gradient")
 
 
 # -- BENCH=1 only: ours beside PyTorch's, timed (a reader may skip it) ------------------------------------------
