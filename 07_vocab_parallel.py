@@ -765,8 +765,9 @@ def main():
     section_dtypes(rank, world, device)
     section_subgroups(rank, world, device)
     section_lm_head(rank, world, device)
-    finish("vocab-parallel embedding, tied LM head and cross-entropy in one all-gather (bf16/fp16, ignore_index, "
-           "global label smoothing, sub-groups) equal the dense model, forward and backward")
+    finish("vocab-parallel embedding (sequence-parallel too), tied LM head and cross-entropy in one all-gather "
+           "(bf16/fp16, ignore_index, global label smoothing, sub-groups) equal the dense model, forward and "
+           "backward; the loss holds one N x V/W slice at most besides the logits")
 
 
 if __name__ == "__main__":
