@@ -41,17 +41,17 @@ one process. Then it trains the GPT, counts one step's collectives per group (co
     torchrun --nproc-per-node=8 10_3d_parallel.py     (1-4 ranks too; GRID=dpxppxtp, e.g. GRID=1x4x2; ZERO=3)
     torchrun --nproc-per-node=1 10_3d_parallel.py hidden=8192 ffn=28672 layers=80 tp=8 pp=8 dp=16 m=16  (70B)
 """
-import contextlib
-import copy
-import importlib
-from fractions import Fraction
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 # ---- building blocks: the lessons' blocks, composed (needs 05-09 beside it, and torch) -------------------------
+import contextlib
+import copy
+import importlib
+from fractions import Fraction
+
 tp_layers = importlib.import_module("05_tp_layers")          # Column/RowParallelLinear, attention, MLP
 seq_par = importlib.import_module("06_sequence_parallel")    # sequence-parallel regions, SP gradient all-reduce
 vocab_par = importlib.import_module("07_vocab_parallel")     # VocabParallelEmbedding, the vocab-parallel loss
