@@ -917,16 +917,16 @@ def ring_fused_and_work(device):
     tol = {} if dtype == torch.float64 else dict(rtol=2 ** -6, atol=2 ** -6)        # bf16: a few roundings
     q, k, v, dout = (torch.randn(S // P, B, RING_HEADS, 8, dtype=dtype, device=device) for _ in range(4))
     scale = 8 ** -0.5
+    close = lambda a, b: torch.testing.assert_close([t.double() for t in a], [t.double() for t in b], **tol)
     for causal, n, m in ((True, S // P, S // P), (False, S // P, S // (2 * P))):   # a diagonal and a full block
         qt, kt, vt = (t[:rows].permute(1, 2, 0, 3) for t, rows in ((q, n), (k, m), (v, m)))   # [b, h, rows, d]
         fused, explicit = _fused_block(qt, kt, vt, causal, scale), _explicit_block(qt, kt, vt, causal, scale)
-        close = lambda a, b: torch.testing.assert_close([t.double() for t in a], [t.double() for t in b], **tol)
         close(fused[:2], explicit[:2])                                                   # output, log-sum-exp
         do = dout.permute(1, 2, 0, 3)
         close(_fused_block_backward(do, qt, kt, vt, *fused[:2], causal, scale, fused[2]),
               _explicit_block_backward(do, qt, kt, vt, *explicit[:2], causal, scale))
-    log(f"one block, fused kernel == explicit block ({dtype}): output, log-sum-exp, and dq, dk, dv from them; "
-        "causal square and full")
+    log(f"fused kernel == explicit block ({dtype}): one block's output, log-sum-exp, and dq, dk, dv from them, "
+        "causal square and full; the whole ring's output and dq, dk, dv, causal and not")
     import warnings
     with warnings.catch_warnings(record=True) as said:                   # where no fused kernel takes q
         warnings.simplefilter("always")
@@ -937,11 +937,13 @@ def ring_fused_and_work(device):
     for causal in (False, True):
         qkv = [t.clone().requires_grad_() for t in (q, k, v)]
         out, fwd, products = kernel_calls(lambda: ring_attention(*qkv, is_causal=causal))
-        _, bwd, bwd_products = kernel_calls(lambda: vjp(out, qkv, dout))
+        grads, bwd, bwd_products = kernel_calls(lambda: vjp(out, qkv, dout))
         assert products == bwd_products == [] and len(fwd) == len(bwd) == P, (products, fwd, bwd)
         pairs[causal] = [sum(n * (n + 1) // 2 if c else n * m for _, n, m, c in calls) for calls in (fwd, bwd)]
-        _, _, products = kernel_calls(lambda: ring_attention(*qkv, is_causal=causal, fused=False))
+        qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+        explicit, _, products = kernel_calls(lambda: ring_attention(*qkv, is_causal=causal, fused=False))
         assert len(products) > 0                                          # the recorder sees an explicit block
+        close((explicit, *vjp(explicit, qkv, dout)), (out, *grads))        # the explicit ring == the fused ring
     every = [None] * P
     dist.all_gather_object(every, pairs)
     assert all(p == {False: [S * S // P] * 2, True: [S * (S + 1) // (2 * P)] * 2} for p in every), every
