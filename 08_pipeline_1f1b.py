@@ -334,8 +334,8 @@ def _link(p, v, stage, op, mb, c, out):
 
 def op_ticks(orders, num_chunks=1, ticks=None):
     """Every stage's ops on one clock, where an op takes ticks[op] (default 1) and a message none: an op ends
-    after the later of its stage's previous op and its input (its _link; a B on the last chunk: its own F; a W:
-    its own B). orders: each stage's [(op, micro-batch, chunk)]. Returns {(stage, op): end tick}."""
+    after the later of its stage's previous op and its input (its _link), both done. orders: each stage's
+    [(op, micro-batch, chunk)]. Returns {(stage, op): end tick}."""
     p, ticks = len(orders), ticks or {"F": 1, "B": 1, "W": 1}
     end, at, free = {}, [0] * p, [0] * p
     while any(at[s] < len(orders[s]) for s in range(p)):
@@ -343,8 +343,7 @@ def op_ticks(orders, num_chunks=1, ticks=None):
         for s in range(p):
             while at[s] < len(orders[s]):
                 op, mb, c = orders[s][at[s]]
-                dep = (_link(p, num_chunks, s, op, mb, c, out=False) or
-                       ((s, ("F", mb, c)) if op == "B" else (s, ("B", mb, c)) if op == "W" else None))
+                dep = _link(p, num_chunks, s, op, mb, c, out=False)   # (a W's B, a last chunk's F: this stage's)
                 if dep is not None and dep not in end:
                     break                                # its input is not made yet
                 free[s] = end[(s, (op, mb, c))] = max(free[s], end[dep] if dep else 0) + ticks[op]
