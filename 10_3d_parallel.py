@@ -34,7 +34,7 @@ One step, bytes each rank SENDS (ring: all-reduce 2(n-1)/n of its input, all-gat
 Bytes each rank HOLDS at its peak, P parameters a rank: parameters P*ep (ZeRO-3: P/dp*ep); gradients P*eg
 (added up over the micro-batches under no_sync) + P/dp*eg reduced; AdamW 2P/dp*eg (+4P/dp fp32 master copy for
 narrower parameters); activations: stage p keeps min(pp - p, m) micro-batches' saved tensors.
-The demo first checks a joint: 06's SP MLP block in 09's DDP, ZeRO-2 and ZeRO-3 on tp x dp (float64, bf16) ==
+The demo first checks a joint: 06's SP MLP block in 09's DDP, ZeRO-2 and ZeRO-3 on tp x dp (fp64, fp32, bf16) ==
 one process. Then it trains the GPT, counts one step's collectives per group (common.traffic) and the bytes held
 (held_bytes, saved tensors alive), asserts these forms, and step_traffic and step_memory evaluate them at scale.
 
