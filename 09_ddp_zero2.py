@@ -1401,7 +1401,8 @@ class TorchDP:
                 total([local(t) for st in state for t in st.values() if torch.is_tensor(t) and t.dim()]))
 
 
-def benchmark(steps=3, rounds=int(os.environ.get("BENCH_ROUNDS", "20")), bucket=2 ** 18):
+def benchmark(steps=3, rounds=int(os.environ.get("BENCH_ROUNDS", "20")),
+              bucket=int(os.environ.get("BENCH_BUCKET", 2 ** 18))):
     """BENCH=1: ours beside PyTorch's on 4 Linear layers of 512 (fp32, AdamW): parameters agree, then ms per
     step (median of interleaved rounds) and bytes held (parameters + gradients + optimizer state) per rank."""
     import statistics
