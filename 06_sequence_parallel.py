@@ -508,7 +508,6 @@ class _RingAttention(torch.autograd.Function):
             dkv[1][:, :, cols].add_(dv_b)
             del dq_b, dk_b, dv_b
             dkv_recv, dkv_works = _ring_exchange(dkv, group)    # on to the next rank; after the last step, home
-            del dkv
             if step < size - 1:
                 _wait(kv_works)
                 kv, kv_next, kv_works = kv_next, None, None
