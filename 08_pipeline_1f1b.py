@@ -700,6 +700,8 @@ def check_pipeline(full, device, runs, variable=False, group=None, second_group=
         # peak = what the micro-batches and messages keep + one op's temporaries (+ the losses' scalars, 8 bytes
         # each): one activation or message more at the peak fails it
         assert not measure or most <= mem.peak < most + temps + a // 2, (NAME[fn], s, mem.peak / a, most / a, temps / a)
+        if measure and v == 1 and fn is not schedule_zb_h1:  # in micro-batches: 1F1B min(p - s, m), GPipe m
+            assert mem.peak // kept[0][0] == expected_peak(fn, p, s, m, v)["B"], (NAME[fn], s, mem.peak / kept[0][0])
         assert not measure or left == held_bytes([loss] if loss is not None else []), (NAME[fn], s, left)
         assert comm.in_flight <= a * (p > 1), (NAME[fn], s, comm.in_flight)   # one message in flight at most
         per_side = sum(n * HIDDEN * 8 + (16 if variable else 0) for n in rows)  # data (+ a 2-dim int64 shape)
@@ -837,7 +839,8 @@ def equal_one_process(full, device, world):
     for i in (0, 1):                                 # batched, ordered: the loop and the runner post the same calls
         assert [r["log"] for r in runs[i]] == [r["log"] for r in runs[2 + i]], "run_schedule != the 1F1B loop"
     log(f"m = {M} (interleaved {m_int}), A = {ROWS}x{HIDDEN}x8 bytes; kept: the model's closed form for what the")
-    log("schedule's micro-batches and messages keep; peak (memory()) < kept + one op's temporaries + A/2;")
+    log("schedule's micro-batches and messages keep; peak (memory()) < kept + one op's temporaries + A/2; peak //")
+    log("one micro-batch's bytes = min(p - s, m) for 1F1B, m for GPipe;")
     log("one message in flight at most; nothing left after the step; the 1F1B loop and run_schedule post the same")
     log("calls; every run's calls replay as NCCL runs them (one by one; each call one group), one peer a call, and")
     log("each message reaches the receive that expects it")
