@@ -187,7 +187,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids):
         if self.sequence_parallel:  # checked before any work: every rank must get an equal slice of s
-            _divide("the sequence length ids.shape[0]", ids.shape[0] if ids.dim() else 0, self.group)
+            if ids.dim() == 0:
+                raise ValueError("sequence_parallel takes ids [s, b] or [s], the sequence first; got one id")
+            _divide("the sequence length ids.shape[0]", ids.shape[0], self.group)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # ids another rank holds
         local = (ids - self.vocab_start).masked_fill(outside, 0)      # any valid row; zeroed below
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (..., D) partial
