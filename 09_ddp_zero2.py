@@ -1176,9 +1176,13 @@ def check_module(rank, W, device, base):
             assert torch.equal(model.full_parameters()["l1.bias"], 2 * values["l1.bias"])
             with model.gathered(), torch.no_grad():
                 model.module.l1.bias.div_(2)
-        else:               # ZeRO-2: reading waits for that bucket's all-gather in flight
+        else:               # ZeRO-2: a read waits for its own bucket's all-gather; state_dict() for all of them
+            model.module.l1.weight.sum()
+            assert [b.gather is None for b in model.buckets] == [b is model.module.l1.weight._dp_bucket
+                                                                   for b in model.buckets] or cls is DDP
+            state = model.state_dict()
+            assert all(b.gather is None for b in model.buckets)
             values = {n: p.clone() for n, p in model.module.named_parameters(remove_duplicate=False)}
-            assert all(b.gather is None for b in model.buckets)  # every read waited for its bucket
         state = model.state_dict()
         assert list(state) == list(want)
         for name, w in want.items():
@@ -1188,6 +1192,13 @@ def check_module(rank, W, device, base):
             model.module.head.bias.sum().backward()
         torch.testing.assert_close(model.clip_grad_norm_(1e9), torch.tensor(VOCAB ** 0.5, dtype=torch.float64))
         model.zero_grad()
+        if cls is ZeRO2:  # loaded right after a step: the gathers in flight land first, not over the loaded values
+            saved = {k: v.clone() for k, v in state.items()}  # (state_dict() aliases the parameters, as torch's)
+            F.cross_entropy(model(batches[rank][0]), batches[rank][1]).backward()
+            model.step()
+            model.load_state_dict(saved)
+            assert all(b.gather is None for b in model.buckets)
+            assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     log("nn.Modules: named_parameters() and state_dict() by the module's names; train()/eval(); zero_grad() drops")
     log("gradients; right after step() ZeRO-2 reads wait for their gathers; ZeRO-3 reads inside gathered(), else:")
     log(read[:114])
