@@ -700,7 +700,8 @@ def check_pipeline(full, device, runs, variable=False, group=None, second_group=
         # peak = what the micro-batches and messages keep + one op's temporaries (+ the losses' scalars, 8 bytes
         # each): one activation or message more at the peak fails it
         assert not measure or most <= mem.peak < most + temps + a // 2, (NAME[fn], s, mem.peak / a, most / a, temps / a)
-        if measure and v == 1 and fn is not schedule_zb_h1:  # in micro-batches: 1F1B min(p - s, m), GPipe m
+        if measure and v == 1 and fn is not schedule_zb_h1 and temps + 2 * a < kept[0][0]:  # where one op's
+            # temporaries and two messages weigh less than a micro-batch, the count: 1F1B min(p - s, m), GPipe m
             assert mem.peak // kept[0][0] == expected_peak(fn, p, s, m, v)["B"], (NAME[fn], s, mem.peak / kept[0][0])
         assert not measure or left == held_bytes([loss] if loss is not None else []), (NAME[fn], s, left)
         assert comm.in_flight <= a * (p > 1), (NAME[fn], s, comm.in_flight)   # one message in flight at most
@@ -948,7 +949,7 @@ def pipelines_on_subgroups(device, rank, world):
 def main():
     rank, world, device = setup()                    # any number of ranks: the model grows with it
     dist.barrier()  # NCCL: a group's first batch_isend_irecv must include all its ranks; the last stage's posts none
-    full = nn.Sequential(*(Block(HIDDEN, torch.float64, device) for _ in range(4 * V * world)))  # alike: seeded
+    full = nn.Sequential(*(Block(HIDDEN, torch.float64, device) for _ in range(2 * V * world)))  # alike: seeded
     head("P2P layer: send_forward_recv_backward, then send_backward_recv_forward, on every rank")
     p2p_layer(rank, world, device)
     head("schedules: pure functions, against orders worked out by hand and exhaustive properties")
