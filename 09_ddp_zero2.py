@@ -553,8 +553,9 @@ class ZeRO3(ZeRO2):
     """ZeRO-2 that stores only its shard of the parameters too: a bucket is gathered before the modules that use
     it (prefetching the next), freed after their forward, gathered again for their backward and freed after.
     A parameter used in forward outside the modules that own it (a tied LM head `F.linear(h, emb.weight)`) has its
-    bucket gathered for that use and again before that use's backward. Outside forward and backward a parameter
-    holds no values: reading one raises one line (read state_dict(), full_parameters() or inside gathered())."""
+    bucket gathered for that use and again before that use's backward (a collective: every rank's forward must
+    make the same uses, as under FSDP). Outside forward and backward a parameter holds no values: reading one
+    raises one line (read state_dict(), full_parameters() or inside gathered())."""
 
     def __init__(self, module, *args, **kwargs):
         super().__init__(module, *args, **kwargs)
