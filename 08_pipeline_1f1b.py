@@ -722,8 +722,9 @@ def check_pipeline(full, device, runs, variable=False, group=None, second_group=
         assert replays_to_the_end(logs, one_by_one=True) and replays_to_the_end(logs, one_by_one=False), NAME[fn]
         if stages[0]["messages"] is not None:        # the i-th send from a to b is the one b's i-th receive expects
             for a, b in {(a, peer) for a, r in enumerate(stages) for call in r["messages"] for _, peer, _ in call}:
-                sent = [made for call in stages[a]["messages"] for kind, peer, made in call if (kind, peer) == ("send", b)]
-                due = [made for call in stages[b]["messages"] for kind, peer, made in call if (kind, peer) == ("recv", a)]
+                of = lambda st, kind, peer: [made for call in stages[st]["messages"] for k, q, made in call
+                                             if (k, q) == (kind, peer)]
+                sent, due = of(a, "send", b), of(b, "recv", a)
                 assert sent == due, (NAME[fn], a, b, sent, due)
     return results
 
@@ -797,7 +798,8 @@ def schedules_checked(rank, world):
                 peak = [max(a, b) for a, b in zip(peak, live)]
             assert {"B": peak[0], "W": peak[1]} == expected_peak(fn, p, s, m, v), (fn, p, s, m, peak)
         total = {schedule_1f1b: 2 * (m + p - 1), schedule_gpipe: 2 * (m + p - 1),
-                 schedule_zb_h1: max(3 * m + p - 1, 2 * m + 2 * p - 1), schedule_interleaved_1f1b: 2 * m * v + 2 * (p - 1)}
+                 schedule_zb_h1: max(3 * m + p - 1, 2 * m + 2 * p - 1),
+                 schedule_interleaved_1f1b: 2 * m * v + 2 * (p - 1)}
         assert place_on_ticks(traces, v)[1] == total[fn], (fn, v, p, m)
         if fn is schedule_1f1b:                      # 1F1B with each B also doing W's work: 2 ticks
             assert place_on_ticks(traces, 1, {"F": 1, "B": 2})[1] == 3 * (m + p - 1), (p, m)
@@ -840,11 +842,11 @@ def equal_one_process(full, device, world):
     for i in (0, 1):                                 # batched, ordered: the loop and the runner post the same calls
         assert [r["log"] for r in runs[i]] == [r["log"] for r in runs[2 + i]], "run_schedule != the 1F1B loop"
     log(f"m = {M} (interleaved {m_int}), A = {ROWS}x{HIDDEN}x8 bytes; kept: the model's closed form for what the")
-    log("schedule's micro-batches and messages keep; peak (memory()) < kept + one op's temporaries + A/2; peak //")
-    log("one micro-batch's bytes = min(p - s, m) for 1F1B, m for GPipe;")
-    log("one message in flight at most; nothing left after the step; the 1F1B loop and run_schedule post the same")
-    log("calls; every run's calls replay as NCCL runs them (one by one; each call one group), one peer a call, and")
-    log("each message reaches the receive that expects it")
+    log("schedule's micro-batches and messages keep; peak (memory()) < kept + one op's temporaries + A/2;")
+    log("peak // one micro-batch's bytes = min(p - s, m) for 1F1B, m for GPipe; one message in flight at most;")
+    log("nothing left after the step; the 1F1B loop and run_schedule post the same calls; every run's calls")
+    log("replay as NCCL runs them (one by one; each call one group), one peer a call, each message reaching the")
+    log("receive that expects it")
 
 
 def timelines(full, device, world):
