@@ -174,7 +174,9 @@ class DDP(nn.Module):
     The optimizer sees one flat tensor per bucket (its shard, in ZeRO), a bucket per parameter group at least:
     elementwise optimizers (SGD, Adam, AdamW, ...) are exact; per-tensor ones (LAMB, Adafactor) are not.
     Megatron's main_grad handshake: a layer that adds its weight gradient into `p.main_grad` itself sets
-    `p.grad_added_to_main_grad = True` and returns a placeholder gradient; the hook then adds nothing.
+    `p.grad_added_to_main_grad = True` and returns a placeholder gradient; the hook then adds nothing, unless
+    `p.zero_out_wgrad` (set by whoever ties p to an ordinary op, e.g. a tied LM head): the layer's placeholder
+    is then zeros and p.grad holds the ordinary op's gradient, which the hook adds into main_grad.
     overlap=False starts the collectives only in sync_gradients()/step(): the same arithmetic, no overlap.
     A parameter no gradient reached since the last step is stepped with a zero gradient (momentum and weight
     decay still act), where torch's optimizers skip a parameter whose .grad is None.
@@ -237,9 +239,10 @@ class DDP(nn.Module):
         return b.main_grad(p)
 
     def _grad_ready(self, b, p):
-        if p.grad_added_to_main_grad:  # the layer added into main_grad itself; p.grad is a placeholder
-            p.grad_added_to_main_grad = False
-        else:
+        # the layer added into main_grad itself: p.grad is a placeholder, zeros (plus an ordinary op's gradient)
+        # where p.zero_out_wgrad says another use of p wrote p.grad (Megatron's rule)
+        fused, p.grad_added_to_main_grad = p.grad_added_to_main_grad, False
+        if not fused or getattr(p, "zero_out_wgrad", False):
             if b.work is not None:  # a reduction from an earlier micro-batch still in flight: let it land first
                 self._finish(b)
             if b.grad is None:
@@ -1293,23 +1296,44 @@ class FusedLinear(nn.Linear):
             x, weight = ctx.saved_tensors
             weight.main_grad.add_(grad.flatten(0, -2).t() @ x.flatten(0, -2))  # dW, read at backward time
             weight.grad_added_to_main_grad = True  # the wrapper's hook adds nothing, drops the placeholder
-            # a placeholder for autograd (Megatron's is empty); NaN here, so a hook that added it would show
-            placeholder = torch.full(weight.shape, float("nan"), dtype=weight.dtype, device=weight.device)
+            # a placeholder for autograd (Megatron's is empty): NaN here, so a hook that added it would show;
+            # zeros where the weight is tied to an ordinary op too (zero_out_wgrad: the hook adds p.grad)
+            fill = 0.0 if getattr(weight, "zero_out_wgrad", False) else float("nan")
+            placeholder = torch.full(weight.shape, fill, dtype=weight.dtype, device=weight.device)
             return grad @ weight, placeholder, grad.flatten(0, -2).sum(0)
 
+    fused = True  # False: plain F.linear, dW in weight.grad (the demo's reference)
+
     def forward(self, x):
-        return self.Function.apply(x, self.weight, self.bias)
+        return self.Function.apply(x, self.weight, self.bias) if self.fused else F.linear(x, self.weight, self.bias)
+
+
+class TiedFused(FusedLinear):
+    """A square FusedLinear whose weight an ordinary op uses again, as an LM head tied to the embedding:
+    y = F.linear(tanh(W x + b), W). The fused use writes main_grad, the ordinary one p.grad: zero_out_wgrad."""
+
+    def __init__(self, n):
+        super().__init__(n, n)
+        self.weight.zero_out_wgrad = True  # whoever ties the weight says so (Megatron's rule)
+
+    def forward(self, x):
+        return F.linear(torch.tanh(super().forward(x)), self.weight)
 
 
 def check_handshake(rank, W, device):
     head("9. A layer that writes dW into main_grad itself (Megatron's handshake) inside DDP, ZeRO-2, ZeRO-3")
-    torch.manual_seed(1)
-    base = nn.Sequential(FusedLinear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device, torch.float64)
+    def build(tied, fused):  # the same values each time; tied: one weight used by the fused layer and an F.linear
+        torch.manual_seed(1)
+        net = nn.Sequential(TiedFused(6), nn.Linear(6, 3)) if tied else \
+            nn.Sequential(FusedLinear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        net[0].fused = fused
+        return net.to(device, torch.float64)
+
+    torch.manual_seed(2)
     x = torch.randn(4 * W, 6, dtype=torch.float64, device=device)
-    for cls in CLASSES:
-        model = cls(copy.deepcopy(base), 20, None, ADAMW[0], **ADAMW[1])
-        ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device, torch.float64)  # plain autograd
-        ref.load_state_dict(base.state_dict())
+    for cls, tied in itertools.product(CLASSES, (False, True)):
+        model = cls(build(tied, True), 20, None, ADAMW[0], **ADAMW[1])
+        ref = build(tied, False)  # plain autograd
         opt = ADAMW[0](ref.parameters(), **ADAMW[1])
         for step in range(2):
             opt.zero_grad()
@@ -1324,6 +1348,7 @@ def check_handshake(rank, W, device):
                 torch.testing.assert_close(p, ref.get_parameter(name), rtol=1e-10, atol=1e-12)
         assert model.module[0].weight.grad_added_to_main_grad is False
     log("== one process's AdamW, 2 steps of 2 micro-batches (no_sync on the first): main_grad's gradient counted once")
+    log("a weight both a fused layer (zero placeholder) and an F.linear use (zero_out_wgrad): both gradients count")
 
 
 class OutsideHeadLM(nn.Module):
