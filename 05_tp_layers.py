@@ -216,6 +216,10 @@ class LinearWithSequenceParallel(torch.autograd.Function):
     main_grad on first use. A data-parallel wrapper that owns W.main_grad (a view of its bucket) sets
     W.grad_added_to_main_grad = False: the layer then sets it True and returns a placeholder dW, so autograd still
     fires W's post-accumulate-grad hook, where the wrapper drops W.grad instead of adding it (Megatron's handshake).
+    A weight also used by another op in the same backward (tied) carries W.zero_out_wgrad = True, set by whoever
+    ties it: the placeholder is then zeros, autograd adds the other op's dW to it, and the wrapper adds W.grad into
+    main_grad when `not W.grad_added_to_main_grad or W.zero_out_wgrad` (Megatron's rule; an empty placeholder
+    would lose that other dW, or add garbage).
     """
     @staticmethod
     def forward(ctx, x, weight, bias=None, group=None, gradient_accumulation_fusion=True):
@@ -242,8 +246,9 @@ class LinearWithSequenceParallel(torch.autograd.Function):
                 main = param.main_grad = torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
             main.addmm_(grad.t().to(main.dtype), total.to(main.dtype))
             if hasattr(param, "grad_added_to_main_grad"):   # a data-parallel wrapper waits for W's grad hook
-                param.grad_added_to_main_grad = True
-                grad_weight = torch.empty_like(param)       # the placeholder it drops
+                param.grad_added_to_main_grad = True        # the placeholder it drops, or adds where W is tied:
+                zero_out = getattr(param, "zero_out_wgrad", False)   # zeros, to which autograd adds the other dW
+                grad_weight = torch.zeros_like(param) if zero_out else torch.empty_like(param)
         grad_bias = grad.sum(0) if ctx.has_bias else None
         _wait(scattering)
         return grad_x, grad_weight, grad_bias, None, None

@@ -235,6 +235,10 @@ class LinearWithSequenceParallel(torch.autograd.Function):
     main_grad on first use. A data-parallel wrapper that owns W.main_grad (a view of its bucket) sets
     W.grad_added_to_main_grad = False: the layer then sets it True and returns a placeholder dW, so autograd still
     fires W's post-accumulate-grad hook, where the wrapper drops W.grad instead of adding it (Megatron's handshake).
+    A weight also used by another op in the same backward (tied) carries W.zero_out_wgrad = True, set by whoever
+    ties it: the placeholder is then zeros, autograd adds the other op's dW to it, and the wrapper adds W.grad into
+    main_grad when `not W.grad_added_to_main_grad or W.zero_out_wgrad` (Megatron's rule; an empty placeholder
+    would lose that other dW, or add garbage).
     """
     @staticmethod
     def forward(ctx, x, weight, bias=None, group=None, gradient_accumulation_fusion=True):
@@ -261,8 +265,9 @@ class LinearWithSequenceParallel(torch.autograd.Function):
                 main = param.main_grad = torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
             main.addmm_(grad.t().to(main.dtype), total.to(main.dtype))
             if hasattr(param, "grad_added_to_main_grad"):   # a data-parallel wrapper waits for W's grad hook
-                param.grad_added_to_main_grad = True
-                grad_weight = torch.empty_like(param)       # the placeholder it drops
+                param.grad_added_to_main_grad = True        # the placeholder it drops, or adds where W is tied:
+                zero_out = getattr(param, "zero_out_wgrad", False)   # zeros, to which autograd adds the other dW
+                grad_weight = torch.zeros_like(param) if zero_out else torch.empty_like(param)
         grad_bias = grad.sum(0) if ctx.has_bias else None
         _wait(scattering)
         return grad_x, grad_weight, grad_bias, None, None
@@ -740,6 +745,8 @@ def linear_overlap(groups, device):
     log("bf16 W: main_grad is fp32, W.grad stays None; gradient_accumulation_fusion=False: dW in W.grad == autograd")
     log("handshake with a data-parallel wrapper (a bucket's main_grad, grad_added_to_main_grad): its hook fires "
         "once a backward, sees the flag set and drops the placeholder; main_grad == 2 micro-batches' dW")
+    log("W tied (also an embedding table) with W.zero_out_wgrad: a zero placeholder, the hook adds W.grad: "
+        "main_grad == autograd's dW over both uses; without the flag the lookup's dW is lost (asserted)")
     grad_x = torch.randn(240, 4, 256, device=device)      # timing: grad_x [s, b, h] fp32, s divisible by 1..8 but 5, 7
     g2, t2, dw = (torch.randn(*shape, device=device) for shape in ((960, 128), (960, 256), (128, 256)))
     t = time_overlap(lambda: Posted(_reduce_scatter_along_dim(grad_x, 0, None, async_op=True)[1]),
@@ -756,19 +763,39 @@ def linear_overlap(groups, device):
 
 def handshake(inputs, g_out, group):
     """A data-parallel wrapper's side of Megatron's handshake, as 09's is: W.main_grad a view of a flat bucket,
-    W.grad_added_to_main_grad = False, and a post-accumulate-grad hook that drops the placeholder W.grad."""
-    x, w, b = (t.detach().clone().requires_grad_() for t in inputs)
-    bucket = torch.zeros(w.numel() + 3, dtype=torch.float32, device=w.device)     # fp32, more than W alone
-    w.main_grad, w.grad_added_to_main_grad, fired = bucket[3:].view_as(w), False, []
+    W.grad_added_to_main_grad = False, and a post-accumulate-grad hook that adds W.grad into main_grad only when
+    `not W.grad_added_to_main_grad or W.zero_out_wgrad`, then drops it. Tied: W is also an embedding table."""
+    ids = torch.arange(inputs[1].shape[0], device=g_out.device).flip(0).repeat(3)   # every row of W, 3 times
+    g_emb = ints((len(ids), H), 77 + dist.get_rank(), g_out.device)
+    x_ref, w_ref, b_ref = (t.detach().clone().requires_grad_() for t in inputs)   # dense: autograd, both uses
+    ((F.linear(gather_from_sequence_parallel_region(x_ref, group), w_ref, b_ref) * g_out).sum()
+     + (F.embedding(ids, w_ref) * g_emb).sum()).backward()
+    main = {}
+    for tied, zero_out in ((False, False), (True, True), (True, False)):
+        x, w, b = (t.detach().clone().requires_grad_() for t in inputs)
+        wide = torch.promote_types(w.dtype, torch.float32)                           # fp32, or W's if wider
+        bucket = torch.zeros(w.numel() + 3, dtype=wide, device=w.device)              # more than W alone
+        w.main_grad, w.grad_added_to_main_grad, fired = bucket[3:].view_as(w), False, []
+        if zero_out:
+            w.zero_out_wgrad = True                                   # whoever ties W says so
 
-    def hook(p):
-        fired.append((p.grad_added_to_main_grad, p.grad.shape))
-        p.grad, p.grad_added_to_main_grad = None, False
-    w.register_post_accumulate_grad_hook(hook)
-    for _ in range(2):
-        (LinearWithSequenceParallel.apply(x, w, b, group) * g_out).sum().backward()
-    assert fired == [(True, w.shape)] * 2 and w.grad is None and not bucket[:3].any(), fired
-    torch.testing.assert_close(w.main_grad, 2 * inputs[1].grad.float())
+        def hook(p):
+            fired.append((p.grad_added_to_main_grad, p.grad.shape))
+            if not p.grad_added_to_main_grad or getattr(p, "zero_out_wgrad", False):   # Megatron's rule
+                p.main_grad.add_(p.grad)
+            p.grad, p.grad_added_to_main_grad = None, False
+        w.register_post_accumulate_grad_hook(hook)
+        for _ in range(2):
+            loss = (LinearWithSequenceParallel.apply(x, w, b, group) * g_out).sum()
+            (loss + (F.embedding(ids, w) * g_emb).sum() if tied else loss).backward()
+        assert fired == [(True, w.shape)] * 2 and w.grad is None and not bucket[:3].any(), fired
+        torch.testing.assert_close(x.grad, 2 * x_ref.grad)
+        main[tied, zero_out] = w.main_grad
+    linear_dw = 2 * inputs[1].grad                                    # the fused linear's dW alone, 2 micro-batches
+    torch.testing.assert_close(main[False, False], linear_dw)         # untied: the empty placeholder, dropped
+    torch.testing.assert_close(main[True, True], 2 * w_ref.grad)      # tied: == autograd over both uses
+    torch.testing.assert_close(main[True, False], linear_dw)          # tied, no zero_out_wgrad: the lookup's dW lost
+    assert not torch.allclose(main[True, False], main[True, True])
 
 
 def ulysses(groups, device):
