@@ -440,7 +440,8 @@ def tp_dp_groups(tp: int):
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, held_bytes, launched_world_size, log, log_all, refuse, setup, traffic
+    from common import (finish, head, held_bytes, launched_world_size, log, log_all, refuse, ring_bytes, setup,
+                        strided_groups, traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -472,18 +473,10 @@ def part(t, dim, group, rank=None):
     return t.chunk(len(ranks), dim)[ranks.index(dist.get_rank() if rank is None else rank)]
 
 
-def strided_group():
-    """This rank's group among {0, 2, 4, ..} and {1, 3, 5, ..}: group rank != global rank ([0], [1] at 2 ranks)."""
-    world = dist.get_world_size()
-    groups = [dist.new_group(list(range(start, world, 2))) for start in range(min(world, 2))]
-    return groups[dist.get_rank() % 2]
-
-
 def wire(t, p):
-    """Bytes this rank puts on the wire for what traffic() counted, p ranks per group, ring algorithms: an
-    all-reduce sends 2 (p-1)/p of its input, an all-gather (p-1) times its input, a reduce-scatter (p-1)/p."""
-    return (2 * (p - 1) * t.bytes["all_reduce"] + p * (p - 1) * t.bytes["all_gather"]
-            + (p - 1) * t.bytes["reduce_scatter"]) / p
+    """Bytes this rank puts on the wire for what traffic() counted, p ranks per group: common.ring_bytes of each
+    collective (an all-gather's V is its output, p x what this rank hands in)."""
+    return sum(ring_bytes(name, p * b if name == "all_gather" else b, p) for name, _, b in t.calls)
 
 
 def check_op(op, group, x, dy, want_y, want_dx, replicated, comms):
@@ -806,8 +799,8 @@ def main():
         refuse(f"{W} ranks: {HEADS} heads, hidden {HIDDEN}, ffn {FFN} and sequence {SEQ} split over 1, 2, 4 or 8 "
                f"ranks only")
     _, world, device = setup()
-    groups = (None, strided_group())   # the world, and a group whose group rank is not the global rank
-    strided = " ".join(str(list(range(start, world, 2))) for start in range(min(world, 2)))
+    pairs = strided_groups()           # {0, 2, ..} and {1, 3, ..}: group rank != global rank
+    groups, strided = (None, pairs[dist.get_rank() % 2][0]), " ".join(str(ranks) for _, ranks in pairs)
     head(f"the six mappings on the world (p = {world}) and on the strided groups {strided}: exact in float64")
     mappings(groups, device)
     head("ColumnParallelLinear and RowParallelLinear against nn.Linear, on the world and the strided groups")

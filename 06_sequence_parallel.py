@@ -538,24 +538,22 @@ def ring_attention(q, k, v, is_causal: bool = False, group=None, *, fused: bool 
 import os
 
 try:
-    from common import (finish, head, held_bytes, launched_world_size, log, memory, refuse, replays, setup, sync,
-                        time_overlap, traffic)
+    from common import (finish, head, held_bytes, launched_world_size, log, memory, refuse, replays, ring_bytes,
+                        setup, strided_groups, sync, time_overlap, traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
 S, B, NH, D = 48, 2, 24, 2     # [s, b]; Ulysses' 24 heads of 2: s/(2P) and heads divide for P in 1, 2, 3, 4, 6, 8
 H, FFN = NH * D, 48            # the MLP block's width (the attention layer's, so their bytes compare) and fc1's
 RING_HEADS, RING_D = 5, 8      # ring attention: 5 heads, which no P > 1 here divides (Ulysses refuses them)
-SENT = {"all_reduce": lambda b, n: 2 * (n - 1) * b // n, "all_gather": lambda b, n: (n - 1) * b,  # ring algorithms
-        "reduce_scatter": lambda b, n: (n - 1) * b // n, "all_to_all": lambda b, n: (n - 1) * b // n,
-        "send": lambda b, n: b, "recv": lambda b, n: 0}
-
-
 def sent(t, ranks=None):
-    """Bytes this rank put on the wire for what traffic() `t` recorded, from the bytes handed in (closed forms in
-    SENT); every call must be on the group of global `ranks` when given."""
+    """Bytes this rank put on the wire for what traffic() `t` recorded: a send its bytes, a collective
+    common.ring_bytes of them (an all-gather's V is its output, n x what it hands in); every call must be on the
+    group of global `ranks` when given."""
     assert ranks is None or all(r == tuple(ranks) for _, r, _ in t.calls), (t.calls, ranks)
-    return sum(SENT[name](nbytes, len(r)) for name, r, nbytes in t.calls)
+    wire = lambda name, n, b: b if name == "send" else 0 if name == "recv" else ring_bytes(
+        name, n * b if name == "all_gather" else b, n)
+    return round(sum(wire(name, len(r), b) for name, r, b in t.calls))
 
 
 class Posted:
@@ -1157,9 +1155,8 @@ def main():
     if 24 % W:
         refuse(f"world size {W} does not divide {NH} heads, ffn {FFN} and the sequence's {S // 2} chunk pairs: "
                "use 1, 2, 3, 4, 6 or 8")
-    rank, world, device = setup()
-    sub = [dist.new_group(list(range(p, world, 2))) for p in range(min(2, world))][rank % 2]  # my parity's ranks
-    groups = (None, sub)
+    rank, _, device = setup()
+    groups = (None, strided_groups()[rank % 2][0])                # the world, and my parity's ranks {r % 2}
     head("the sequence-parallel regions: values and adjoints, on rank-dependent inputs")
     regions(groups, device)
     head(f"an MLP block on [s, b, h] = [{S}, {B}, {H}], ffn {FFN}: dense == TP == SP, forward and backward")
