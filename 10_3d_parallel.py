@@ -111,9 +111,10 @@ class GPTStage(nn.Module):
     """This rank's part of GPT: its stage's layers (all stages), the embedding (first stage), the final LayerNorm,
     the tied head and the loss (last stage), every weight split over the TP group. Built from the one-process
     model, so both start equal. Activations are Megatron's [s, b, h]. forward: ids [b, s] (first stage) or
-    [s/tp, b, h] -> [s/tp, b, h], or logits [s, b, V/tp] (last stage). Column layers inside the stage add dW
-    straight into main_grad (gradient-accumulation fusion, 09's handshake); the tied head does not: its dW must
-    add up with the embedding's in one .grad where both are one Parameter."""
+    [s/tp, b, h] -> [s/tp, b, h], or logits [s, b, V/tp] (last stage). Column layers, the tied head included,
+    add dW straight into main_grad (gradient-accumulation fusion, 09's handshake). With one stage the head's
+    weight is the embedding's Parameter, whose lookup writes .grad: it carries zero_out_wgrad (Megatron's rule),
+    so the head's placeholder is zeros and 09's hook adds that .grad into main_grad too."""
 
     def __init__(self, gpt: GPT, grid: Grid):
         super().__init__()
@@ -145,8 +146,10 @@ class GPTStage(nn.Module):
             tied = nn.Linear(gpt.embed.embedding_dim, gpt.embed.num_embeddings, bias=False, device="meta")
             tied.weight = gpt.embed.weight                            # [V, h]: column-parallel splits its rows
             self.head = tp_layers.ColumnParallelLinear.from_dense(tied, tp, sequence_parallel=True)
+            self.head.gradient_accumulation_fusion = True
             if self.is_first:
                 self.head.weight = self.embed.weight                  # one stage: one Parameter, as in GPT
+                self.head.weight.zero_out_wgrad = True                # used by the lookup too: dW in .grad
 
     def tied_weight(self):
         """The embedding's shard (first stage) or the head's copy of it (last stage); None on middle stages."""
@@ -417,6 +420,11 @@ def train(grid, device, zero):
     torch.manual_seed(0)
     gpt = GPT(VOCAB, HIDDEN, HEADS, FFN, LAYERS, dtype=torch.float64).to(device)
     stage = GPTStage(gpt, grid)
+    fused = {}  # column weights (the head too): in how many backwards their layer added dW into main_grad itself
+    for m in stage.modules():
+        if isinstance(m, tp_layers.ColumnParallelLinear):  # a hook before 09's: it sees the layer's flag
+            m.weight.register_post_accumulate_grad_hook(
+                lambda p: fused.__setitem__(id(p), fused.get(id(p), 0) + p.grad_added_to_main_grad))
     model = data_parallel(stage, grid, BUCKET, zero, **HYPER)
     comm = pipeline.P2PCommunicator((SEQ // grid.tp_size, MICRO, HIDDEN), torch.float64, device, grid.pp)
     opt = torch.optim.AdamW(gpt.parameters(), **HYPER)
@@ -442,6 +450,11 @@ def train(grid, device, zero):
         counted = t if step == 1 else counted
         check_loss(loss, ref_loss, grid)
     log(f"loss of each of the {STEPS} steps == one process's on the whole batch (mean over DP on the last stage)")
+    columns = {id(m.weight) for m in stage.modules() if isinstance(m, tp_layers.ColumnParallelLinear)}
+    assert fused == dict.fromkeys(columns, STEPS * M), (fused, len(columns))
+    log(f"{len(columns)} column weights (qkv, fc1{', the tied head' if grid.is_last else ''}): dW into main_grad by "
+        f"the layer in each of the {STEPS * M} backwards" + (" (zero_out_wgrad: the lookup's .grad added too)"
+                                                               if grid.is_first and grid.is_last else ""))
     state = [t for st in model.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
     held.update(parameters=held_bytes([t for b in model.buckets for t in (b.flat, b.local)]),
                 optimizer=held_bytes(state + [b.opt for b in model.buckets if b.opt is not b.local]),
