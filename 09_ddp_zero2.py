@@ -693,13 +693,14 @@ class ZeRO3(ZeRO2):
 import bisect
 import copy
 import itertools
+import math
 import os
 import shutil
 import tempfile
 import time
 
 try:
-    from common import finish, head, held_bytes, log, memory, refuse, setup, sync, traffic
+    from common import finish, head, held_bytes, log, memory, refuse, ring_bytes, setup, strided_groups, sync, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -771,12 +772,6 @@ def rank_batch(step, r, device):
 
 
 # -- checking code, a reader may skip it: closed forms, the reference run, byte and hook instruments ------
-def wire_times_w(calls):
-    """W x bytes this rank put on the wire (ring): AR 2(W-1)/W n, RS (W-1)/W n, AG (W-1) n, n = bytes handed in."""
-    per = {"all_reduce": lambda w: 2 * (w - 1), "reduce_scatter": lambda w: w - 1, "all_gather": lambda w: w * (w - 1)}
-    return sum(per[name](len(ranks)) * n for name, ranks, n in calls)
-
-
 def forward_backward(model, mode, ids, tgt, after_each=lambda: None):
     """The forwards and backwards of one step of `model` in the given mode (after_each: after each backward of
     the plain micro-batch loop)."""
@@ -863,7 +858,9 @@ def train_and_compare(cls, optim, group, ranks, device, base, groups=None, outsi
         assert counts.count("all_reduce") == (R * nb if cls is DDP else 0), counts
         assert counts.count("reduce_scatter") == (0 if cls is DDP else R * nb), counts
         assert counts.count("all_gather") == {DDP: 0, ZeRO2: nb, ZeRO3: 2 * M * nb + M * bool(extra)}[cls], counts
-        assert wire_times_w(calls) == (SENT[cls](M, R) * V + M * extra) * (W - 1), (cls.__name__, mode, calls)
+        sent = sum(ring_bytes(op, n * len(r) if op == "all_gather" else n, len(r)) for op, r, n in calls)  # AG: n in
+        assert math.isclose(sent, (SENT[cls](M, R) * V + M * extra) * (W - 1) / W, rel_tol=1e-12, abs_tol=1e-9), \
+            (cls.__name__, mode, calls)
         units.append(SENT[cls](M, R))
         for name, p in model.full_parameters().items():  # after every step
             torch.testing.assert_close(p, ref.get_parameter(name), rtol=1e-10, atol=1e-12,
@@ -923,12 +920,12 @@ def check_exact(W, device, base):
 
 
 def check_subgroups(rank, W, device, base):
-    groups = [tuple(range(parity, W, 2)) for parity in range(min(2, W))]
-    head(f"3. SGD + momentum on data-parallel sub-groups whose group rank is not the global rank: {groups}")
-    handles = [dist.new_group(list(g)) for g in groups]  # every rank creates every group, in the same order
-    mine = rank % 2
+    made = strided_groups(2)
+    head(f"3. SGD + momentum on data-parallel sub-groups whose group rank is not the global rank: "
+         f"{[tuple(r) for _, r in made]}")
+    handle, ranks = made[rank % 2]
     for cls in CLASSES:
-        train_and_compare(cls, SGD, handles[mine], groups[mine], device, base)
+        train_and_compare(cls, SGD, handle, ranks, device, base)
     log(f"DDP, ZeRO-2, ZeRO-3 in each group == torch.optim.SGD in one process on its own ranks' data, the same "
         f"{STEPS} steps; every collective stayed inside its group")
 
@@ -1221,8 +1218,8 @@ def check_checkpoint(rank, W, device, base, where=None, phase=None):
     4: bit-equal to the run that went on. CKPT=DIR CKPT_PHASE=save|load splits it over two launches."""
     head(f"11. Checkpoint after step 2, resume in a new wrapper{' (new processes)' if phase == 'load' else ''}, "
          f"== the run that went on")
-    subgroups = [tuple(range(parity, W, 2)) for parity in range(min(2, W))]
-    handles = [dist.new_group(list(g)) for g in subgroups]
+    handles, subgroups = zip(*strided_groups(2))
+    subgroups = [tuple(r) for r in subgroups]
     temporary = where is None
     if temporary:
         box = [tempfile.mkdtemp(prefix="ckpt09-") if rank == 0 else None]
