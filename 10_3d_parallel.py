@@ -282,8 +282,10 @@ def stage_numel(c, stage):
 
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
+import math
+
 try:
-    from common import finish, head, held_bytes, launched_world_size, log, refuse, setup, traffic
+    from common import finish, head, held_bytes, launched_world_size, log, refuse, ring_bytes, setup, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -333,7 +335,6 @@ def scale_overrides():
     """key=value pairs from the command line and from SCALE="key=value,..."; every bad one is refused in one
     line naming it: a whole number >= 1 for sizes and bytes, a number > 0 for bandwidths, tp dividing what it
     splits and pp the layers. Returns (overrides, None) or ({}, why)."""
-    import math
     import os
     import sys
     pairs = os.environ.get("SCALE", "").replace(",", " ").split() + sys.argv[1:]
@@ -590,8 +591,9 @@ def check_loss(loss, ref_loss, grid):
 
 def tally(calls, grid):
     """{(group kind, collective): (calls, bytes this rank sent)} from traffic().calls, each call's group known by
-    its ranks (a PP group and an embedding group may hold the same two ranks: P2P is the pipeline's). Calls on a
-    group of one rank move nothing and are left out; a group that is none of this rank's shows as its ranks."""
+    its ranks (a PP group and an embedding group may hold the same two ranks: P2P is the pipeline's), the bytes
+    by common.ring_bytes (not step_traffic's RING). Calls on a group of one rank move nothing and are left out; a
+    group that is none of this rank's shows as its ranks."""
     mine = {kind: tuple(dist.get_process_group_ranks(getattr(grid, kind))) for kind in grid.ranks
             if getattr(grid, kind) is not None}
     out = {}
@@ -603,7 +605,9 @@ def tally(calls, grid):
             kinds = ["pp" if op in ("send", "recv") else "embedding"]
         kind = kinds[0]
         n, sent = out.get((kind, op), (0, 0))
-        out[(kind, op)] = (n + 1, sent + RING[op](len(ranks)) * nbytes)
+        w = len(ranks)  # traffic() records what each call is handed: an all-gather's input is 1/w of its output
+        out[(kind, op)] = (n + 1, sent + ({"send": nbytes, "recv": 0}[op] if op in ("send", "recv") else
+                                          ring_bytes(op, nbytes * w if op == "all_gather" else nbytes, w)))
     return out
 
 
@@ -617,7 +621,9 @@ def toy_config(grid, zero=2):
 def count_traffic(counted, grid, zero):
     head("one step's collectives, counted per group, against the docstring's closed forms")
     got, want = tally(counted.calls, grid), step_traffic(toy_config(grid, zero), grid.p)
-    assert got == want, (dist.get_rank(), sorted(got.items()), sorted(want.items()))
+    assert got.keys() == want.keys() and all(got[k][0] == want[k][0] and
+                                             math.isclose(got[k][1], want[k][1], rel_tol=1e-12) for k in want), \
+        (dist.get_rank(), sorted(got.items()), sorted(want.items()))
     middle = 0 < grid.p < grid.pp_size - 1                            # no tied weight: no embedding all-reduce,
     assert not middle or not any(kind not in ("tp", "pp", "dp") for kind, _ in got), got  # nor any other group
     everyone = [None] * dist.get_world_size()
@@ -628,7 +634,7 @@ def count_traffic(counted, grid, zero):
     log(f"{'group':10} {'collective':15} " + " ".join(f"{f'stage {s}: calls':>15} {'bytes sent':>11}" for s in shown))
     for key in rows:
         cells = [everyone[pipe[s]].get(key, (0, 0)) for s in shown]
-        log(f"{key[0]:10} {key[1]:15} " + " ".join(f"{n:>15} {int(b):>11}" for n, b in cells))
+        log(f"{key[0]:10} {key[1]:15} " + " ".join(f"{n:>15} {round(b):>11}" for n, b in cells))
     log(f"every rank's calls and bytes per (group, collective) == the closed forms (A = {SEQ}x{MICRO}x{HIDDEN}x8, "
         f"m = {M})"
         + ("; middle stages: no tied-weight all-reduce" if grid.pp_size > 2 else ""))
