@@ -513,7 +513,7 @@ def stage_layers(blocks: nn.Sequential, num_stages, stage, num_chunks=1):
 import contextlib
 
 try:
-    from common import finish, head, held_bytes, log, memory, setup, traffic
+    from common import finish, head, held_bytes, log, memory, replays, setup, strided_groups, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -552,14 +552,18 @@ def place_on_ticks(traces, num_chunks=1, ticks=None):
     return rows, max(end.values())
 
 
-def replays_to_the_end(logs, one_by_one=True):
-    """Replay each stage's posted calls (comm.log) as NCCL runs them: True if every stage gets to the end, each
-    message received whole. A send waits for its receive and a receive for its send (the i-th send from a to b
-    on a group meets the i-th receive there). one_by_one: each op in the order posted, blocking (isend/irecv one
-    by one). Else each call is one group (batch_isend_irecv): its ops wait for each other, in any order, and the
-    stage's next call starts when they are all done (NCCL runs a pair's groups in order on one stream)."""
-    calls = [[[op] for call in c for op in call] if one_by_one else c for c in logs]
-    chan, active, at, moved = {}, [[] for _ in logs], [0] * len(logs), True
+def one_by_one(logs):
+    """Each stage's posted ops (comm.log) as common.replays takes them, isend/irecv one by one, each blocking;
+    the tag (group, bytes): a message on the other group, or of another size, does not meet its receive."""
+    return [[(kind, peer, (group, nbytes)) for call in log for kind, peer, nbytes, group in call] for log in logs]
+
+
+def replays_batched(logs):
+    """Replay each stage's posted calls (comm.log) as NCCL runs them when each call is one group
+    (batch_isend_irecv): its ops wait for each other, in any order, and the stage's next call starts when they
+    are all done (NCCL runs a pair's groups in order on one stream). True if every stage gets to the end, each
+    message received whole (the i-th send from a to b on a group meets the i-th receive there)."""
+    calls, chan, active, at, moved = logs, {}, [[] for _ in logs], [0] * len(logs), True
     while moved:
         moved = False
         for a, mine in enumerate(calls):
@@ -719,7 +723,7 @@ def check_pipeline(full, device, runs, variable=False, group=None, second_group=
     results = [[r[i] for r in everyone if r[i] is not None] for i in range(len(runs))]
     for (fn, batched, _), stages in zip(runs, results):
         logs = [r["log"] for r in stages]            # NCCL: isend/irecv one by one, or each call one group
-        assert replays_to_the_end(logs, one_by_one=True) and replays_to_the_end(logs, one_by_one=False), NAME[fn]
+        assert replays(one_by_one(logs)) and replays_batched(logs), NAME[fn]
         if stages[0]["messages"] is not None:        # the i-th send from a to b is the one b's i-th receive expects
             for a, b in {(a, peer) for a, r in enumerate(stages) for call in r["messages"] for _, peer, _ in call}:
                 of = lambda st, kind, peer: [made for call in stages[st]["messages"] for k, q, made in call
@@ -756,7 +760,7 @@ def p2p_layer(rank, world, device):
         assert torch.equal(from_next, sent_by((rank + 1) % world, 1, 2)), from_next
         logs = [None] * world
         dist.all_gather_object(logs, comm.log)
-        assert replays_to_the_end(logs), "posted one by one, the four transfers wait on each other"
+        assert replays(one_by_one(logs)), "posted one by one, the four transfers wait on each other"
     log(f"batched and ordered, fixed and exchanged shapes: each stage got its neighbours' tensors")
     log(f"sum <S x, y> = sum <x, S^T y> = {dots[0].item():.0f} (S = send_forward, S^T = send_backward)"
         + ("; all four at once round the ring: every link pairs up" if world % 2 == 0 else ""))
@@ -912,9 +916,8 @@ class Strided(nn.Module):
 
 
 def pipelines_on_subgroups(device, rank, world):
-    members = [list(range(start, world, 2)) for start in range(min(world, 2))]
-    groups = [dist.new_group(r) for r in members]    # every rank creates every group, in the same order
-    ranks, pp = members[rank % 2], groups[rank % 2]
+    made = strided_groups(2)                         # every rank creates every group, in the same order
+    members, (pp, ranks) = [r for _, r in made], made[rank % 2]
     p, s, vocab = len(ranks), ranks.index(rank), 11
     gen = torch.Generator(device).manual_seed(rank % 2)   # each pipeline its own model and data
     torch.manual_seed(rank % 2)
