@@ -292,11 +292,17 @@ def section_ring(rank, W, f64, groups):
             dist.all_gather_object(posts, [kind for kind, _, _ in t.calls], group=group)
             assert replays([[(k, (g + 1) % G if k == "send" else (g - 1) % G) for k in p]
                             for g, p in enumerate(posts)]), f"the ring's post order deadlocks: {posts}"
+            for first in ("send", "recv"):  # every rank posting its send first (or its receive first) deadlocks
+                same = [[k for pair in zip(p[0::2], p[1::2]) for k in sorted(pair, key=lambda k: k != first)]
+                        for p in posts]                                  # each step's pair, `first` first
+                assert G == 1 or not replays([[(k, (g + 1) % G if k == "send" else (g - 1) % G) for k in p]
+                                              for g, p in enumerate(same)]), (first, same)
             if group is None and shape == (W, 3):
                 log(f"V = {V} x {e} B: sent {rs_b} B reduce-scatter + {ag_b} B all-gather = {rs_b + ag_b} B; "
                     f"2(W-1)/W*V = {ring_bytes('all_reduce', V * e, W):g} B; == dist.all_reduce")
     log("also V % W != 0, V < W, and the even / odd ranks as sub-groups: == dist.all_reduce, 2(G-1)/G*V B")
-    log("each rank's posts (even: send first, odd: receive first), replayed as blocking sends: no deadlock")
+    log("each rank's posts (even: send first, odd: receive first), replayed as blocking sends: no deadlock; "
+        "every rank sending first, or receiving first, deadlocks")
 
 
 def section_all_reduce(rank, W, f64, groups, funcol):

@@ -81,8 +81,8 @@ def launched_world_size() -> int:
               file=sys.stderr, flush=True)
         sys.exit(EXIT_REFUSED)
     cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", sys.argv[0], *sys.argv[1:]]
-    print(f"not started by torchrun: running  torchrun --standalone --nproc-per-node={nproc} {_script()}",
-          flush=True)
+    print(f"not started by torchrun: running torchrun --standalone --nproc-per-node={nproc} "
+          f"{' '.join([_script(), *sys.argv[1:]])}", flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets anyway (it warns when it has to)
     os.execv(sys.executable, [sys.executable, *cmd])
 
