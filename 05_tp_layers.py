@@ -527,10 +527,14 @@ def mappings(groups, device):
             # SP reduce-scatter: X[r] -> part r of the group's sum;  backward: DY[r]'s part r -> every
             # member's, joined
             (reduce_scatter_to_sequence_parallel_region, x, seq(dy), seq(sum_x), every(DY, SEQ_DIM),
-             (False, False), [("reduce_scatter", x), ("all_gather", seq(dy))]))
+             (False, False), [("reduce_scatter", x), ("all_gather", seq(dy))]),
+            # SP scatter: A -> A's part r of the sequence;  backward: DY[r]'s part r -> every member's, joined
+            (scatter_to_sequence_parallel_region, A, seq(dy), seq(A), every(DY, SEQ_DIM), (True, False),
+             [("all_gather", seq(dy))]))
         for op, x_in, dy_in, want_y, want_dx, replicated, comms in cases:
             check_op(op, group, x_in, dy_in, want_y, want_dx, replicated, [(n, t.nbytes) for n, t in comms])
-    log("f, g, scatter, gather, and SP's gather and reduce-scatter along s: forward and backward == closed forms")
+    log("f, g, scatter, gather, and SP's gather, reduce-scatter and scatter along s: forward and backward == "
+        "closed forms")
     log("each passes <op(x), dy> == <x, op_backward(dy)>, a replicated tensor's inner product counted once")
     log("each issues its collective(s) on its group, handing in the tensor its docstring names (traffic())")
 
@@ -674,10 +678,10 @@ def sequence_parallel(groups, device):
     log("both also with gather_output=True / input_is_parallel=False; the row bias grad (this rank's part of s)")
     log("summed over the group by allreduce_sequence_parallel_grads == dense")
     mlp_and_attention(groups, device, sp=True)
-    unequal_slices(device)
+    unequal_slices(groups[-1], device)
 
 
-def unequal_slices(device):
+def unequal_slices(sub, device):
     """The SP column layer's precondition, equal slices on every rank: one all-gather of the shape on a new shape,
     none while it stays; unequal ones raise one ValueError line on every rank instead of aborting gloo."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -688,6 +692,9 @@ def unequal_slices(device):
         layer(x)
     check = [("all_gather", 3 * 8)] if world > 1 else []                    # the shape: 3 int64
     assert [(n, b) for n, _, b in t.calls] == check + [("all_gather", x.nbytes)] * (world > 1) * 2, t.calls
+    n, size = 2 + rank % 2, dist.get_world_size(sub)                      # each strided group its own length:
+    layer_sub = ColumnParallelLinear(HIDDEN, FFN, sequence_parallel=True, group=sub, device=device, dtype=F64)
+    assert layer_sub(x.new_zeros(n, BATCH, HIDDEN)).shape == (size * n, BATCH, FFN // size)   # equal in each group
     if world == 1:
         return
     lengths = [SEQ // world + 1 + (r > 0) for r in range(world)]            # every rank's shape changes
@@ -701,13 +708,14 @@ def unequal_slices(device):
     log(f"equal slices checked by one all-gather of the shape ({3 * 8} B) on a new shape, none while it stays")
 
 
-def kept_for_backward(fn, params):
+def kept_for_backward(fn, params, inputs=()):
     """fn()'s output and the bytes of the activations autograd saved for its backward (common.held_bytes:
-    distinct storages, parameters left out)."""
+    distinct storages, parameters left out), `inputs` counted with them: a block that keeps its input itself,
+    not a copy, adds nothing by that."""
     saved, skip = [], {q.untyped_storage().data_ptr() for q in params}
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = fn()
-    return out, held_bytes([t for t in saved if t.untyped_storage().data_ptr() not in skip])
+    return out, held_bytes([t for t in saved if t.untyped_storage().data_ptr() not in skip] + list(inputs))
 
 
 def activation_memory(device):
@@ -723,7 +731,7 @@ def activation_memory(device):
         par = parallel_mlp(mlp, sequence_parallel=sp)
         par[0].gradient_accumulation_fusion = fusion
         x_in = (part(x, SEQ_DIM, None) if sp else x).clone().requires_grad_()  # its own contiguous storage
-        y, got[sp] = kept_for_backward(lambda: par(x_in), par.parameters())
+        y, got[sp] = kept_for_backward(lambda: par(x_in), par.parameters(), [x_in])   # fc1 keeps x_in, no copy
         y.backward(part(dy, SEQ_DIM, None) if sp else dy)
         if fusion:  # Megatron's gradient-accumulation fusion: dW in fp32 main_grad, weight.grad left None
             assert par[0].weight.grad is None and par[0].weight.main_grad.dtype == F64
@@ -740,7 +748,7 @@ def activation_memory(device):
     for sp in (False, True):
         layer = ParallelSelfAttention.from_dense(mha, sequence_parallel=sp)
         x_in = (part(x, SEQ_DIM, None) if sp else x).clone().requires_grad_()
-        att[sp] = kept_for_backward(lambda: layer(x_in), layer.parameters())[1]
+        att[sp] = kept_for_backward(lambda: layer(x_in), layer.parameters(), [x_in])[1]
     assert att[False] - att[True] == V - V // world, att    # QKV's input [s, b, h] -> [s/p, b, h]; the rest alike
     log(f"attention saved for backward: TP {att[False]} B, SP {att[True]} B: QKV's input, V - V/{world} B less")
 

@@ -600,13 +600,14 @@ def adjoint_checked(op, x, group=None, replicated=False):
     return out.detach()
 
 
-def kept_for_backward(fn, params):
+def kept_for_backward(fn, params, inputs=()):
     """fn()'s output and the bytes of the activations autograd saved for its backward (common.held_bytes:
-    distinct storages, parameters left out)."""
+    distinct storages, parameters left out), `inputs` counted with them: a block that keeps its input itself,
+    not a copy, adds nothing by that."""
     saved, skip = [], {q.untyped_storage().data_ptr() for q in params}
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = fn()
-    return out, held_bytes([t for t in saved if t.untyped_storage().data_ptr() not in skip])
+    return out, held_bytes([t for t in saved if t.untyped_storage().data_ptr() not in skip] + list(inputs))
 
 
 def regions(groups, device):
@@ -617,16 +618,33 @@ def regions(groups, device):
             shape[dim] = 2                                                   # each rank's slice: 2 rows along dim
             every = torch.cat([ints(shape, g, device) for g in ranks], dim)  # every member's slice, in group order
             x = strided(ints(shape, dist.get_rank(), device))
-            gathered = adjoint_checked(lambda t: gather_from_sequence_parallel_region(t, group, dim=dim), x, group)
+            kw = {} if dim == 0 else {"dim": dim}                            # dim 0: the public default
+            gathered = adjoint_checked(lambda t: gather_from_sequence_parallel_region(t, group, **kw), x, group)
             assert torch.equal(gathered, every)
             partial, total = strided((r + 1) * every), P * (P + 1) // 2 * every   # rank r's partial sums; sum
-            out = adjoint_checked(lambda t: reduce_scatter_to_sequence_parallel_region(t, group, dim=dim), partial,
+            out = adjoint_checked(lambda t: reduce_scatter_to_sequence_parallel_region(t, group, **kw), partial,
                                   group)
             assert torch.equal(out, total.chunk(P, dim)[r])
-            out = adjoint_checked(lambda t: scatter_to_sequence_parallel_region(t, group, dim=dim), strided(every),
+            out = adjoint_checked(lambda t: scatter_to_sequence_parallel_region(t, group, **kw), strided(every),
                                   group, replicated=True)
-            assert torch.equal(out, every.chunk(P, dim)[r])
+            assert torch.equal(out, every.chunk(P, dim)[r]) and out.is_contiguous()
+        mine = ints((3, 4), 50 + dist.get_rank(), device)                    # f and g on a caller's tensor
+        keep, x = mine.clone(), ints((3, 4), 60, device).requires_grad_()
+        summed = reduce_from_tensor_model_parallel_region(mine, group)
+        (g,) = torch.autograd.grad(copy_to_tensor_model_parallel_region(x, group), x, mine)
+        want = sum(ints((3, 4), 50 + s, device) for s in ranks)
+        assert torch.equal(summed, want) and torch.equal(g, want) and torch.equal(mine, keep)   # mine left alone
     log("gather = all-gather, reduce_scatter = sum then slice, scatter = slice: exact, on strided inputs")
+    W = dist.get_world_size()
+    for op in (reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region):
+        try:                                                                 # W + 1 rows do not split over W
+            op(torch.zeros(W + 1, 1, device=device))
+            assert W == 1, f"{op.__name__}: {W + 1} rows accepted"
+        except ValueError as err:
+            said = str(err)
+            assert said == f"x.shape[0]={W + 1} is not divisible by the group size {W}", said
+    log("g's forward, f's backward: the group's sum, the caller's tensor left alone" + (
+        f"; {W + 1} rows to reduce-scatter or scatter: ValueError('{said}')" if W > 1 else ""))
     log("adjoint: sum over ranks <op(x), y> == <x, op_backward(y)> for all three (scatter's replicated x once)")
     log(f"along dim 0 ([s, b, h]) and dim 1 ([b, s, h]), on the world and on sub-groups {members(groups[-1])}, ..")
 
@@ -643,7 +661,7 @@ def mlp_runs(dense, x, dy, group):
             p[k].sequence_parallel = True
         xin = (x.chunk(P)[r] if sp else x).clone().requires_grad_()
         with traffic() as fwd:
-            y, kept = kept_for_backward(lambda: mlp_block(xin, p, sp, group), p.values())
+            y, kept = kept_for_backward(lambda: mlp_block(xin, p, sp, group), p.values(), [xin])
         with traffic() as bwd:
             (y * strided(dy.chunk(P)[r] if sp else dy)).sum().backward()
         runs[sp] = dict(p=p, x=xin, y=y, fwd=fwd, bwd=bwd, kept=kept)
@@ -674,15 +692,18 @@ def mlp_block_checks(groups, device):
             torch.testing.assert_close(sp["p"][k].main_grad if k == "w1" else sp["p"][k].grad, tp["p"][k].grad)
         off = max((sp["p"][k].grad - dense[k].grad).abs().max().item() for k in ("ln_w", "ln_b", "b2"))
         assert P == 1 or off > 1e-3
+        b2 = sp["p"]["b2"]
+        b2.main_grad, b2.grad = b2.grad, None               # as a data-parallel wrapper keeps it (read from there)
         with traffic() as runs["fix"]:
             allreduce_sequence_parallel_grads(sp["p"].values(), group)
         for k in ("ln_w", "ln_b", "b2"):
             torch.testing.assert_close(tp["p"][k].grad, dense[k].grad)
-            torch.testing.assert_close(sp["p"][k].grad, dense[k].grad)
+            torch.testing.assert_close(sp["p"][k].main_grad if k == "b2" else sp["p"][k].grad, dense[k].grad)
         if group is None:
             log(f"output, x grad, fc1 and fc2 grads: SP == TP == dense, each rank computing s/tp = {S // P} rows of LN")
             log(f"LN weight, LN bias, fc2 bias grads as each rank has them: off by up to {off:.3f} (each saw s/tp)")
-            log(f"after allreduce_sequence_parallel_grads of those {3 * H} values: equal to dense (Megatron-LM#443)")
+            log(f"after allreduce_sequence_parallel_grads of those {3 * H} values (fc2 bias's from its main_grad): "
+                "equal to dense (Megatron-LM#443)")
     log(f"the same on sub-groups {members(groups[-1])}, ..: group rank != global rank")
     return every_run
 
@@ -734,17 +755,24 @@ def linear_overlap(groups, device):
         assert not hasattr(unfused[1], "main_grad")
         for got, want in zip((t.grad for t in unfused), (t.grad for t in plain)):
             torch.testing.assert_close(got, want)
+        repacked = [t.detach().clone().requires_grad_() for t in plain]   # saved tensors come back as other objects
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):    # (as offloading's do)
+            (LinearWithSequenceParallel.apply(*repacked, group) * g_out[..., rows]).sum().backward()
+        torch.testing.assert_close(repacked[1].main_grad, plain[1].grad)  # main_grad on W itself, not on its copy
+        x_in = plain[0].detach().clone()
+        kept = kept_for_backward(lambda: LinearWithSequenceParallel.apply(x_in, *fused[1:], group), fused[1:], [x_in])
+        assert kept[1] == x_in.nbytes, kept[1]            # its own [s/tp, b, h] slice: no copy, nothing gathered
         handshake(plain, g_out[..., rows], group)
     w_bf16 = w.bfloat16().requires_grad_()                                   # bf16 weights: main_grad is fp32
     LinearWithSequenceParallel.apply(x.chunk(dist.get_world_size())[dist.get_rank()].bfloat16(), w_bf16).sum() \
         .backward()
     assert w_bf16.grad is None and w_bf16.main_grad.dtype == torch.float32
-    log("async reduce-scatter, dW into main_grad == gather region + autograd, 2 micro-batches, world and sub-groups")
+    log("async reduce-scatter, dW into main_grad == gather region + autograd, 2 micro-batches, world and sub-groups;"
+        " also where saved-tensor hooks hand W back as another object")
     log("bf16 W: main_grad is fp32, W.grad stays None; gradient_accumulation_fusion=False: dW in W.grad == autograd")
     log("handshake with a data-parallel wrapper (a bucket's main_grad, grad_added_to_main_grad): its hook fires "
-        "once a backward, sees the flag set and drops the placeholder; main_grad == 2 micro-batches' dW")
-    log("W tied (also an embedding table) with W.zero_out_wgrad: a zero placeholder, the hook adds W.grad: "
-        "main_grad == autograd's dW over both uses; without the flag the lookup's dW is lost (asserted)")
+        "once a backward, drops the placeholder; main_grad == 2 micro-batches' dW. W also an embedding table, "
+        "W.zero_out_wgrad: a zero placeholder the hook adds, == autograd over both uses (without: lookup's dW lost)")
     grad_x = torch.randn(240, 4, 256, device=device)      # timing: grad_x [s, b, h] fp32, s divisible by 1..8 but 5, 7
     g2, t2, dw = (torch.randn(*shape, device=device) for shape in ((960, 128), (960, 256), (128, 256)))
     t = time_overlap(lambda: Posted(_reduce_scatter_along_dim(grad_x, 0, None, async_op=True)[1]),
