@@ -533,8 +533,10 @@ def mappings(groups, device):
              [("all_gather", seq(dy))]))
         for op, x_in, dy_in, want_y, want_dx, replicated, comms in cases:
             check_op(op, group, x_in, dy_in, want_y, want_dx, replicated, [(n, t.nbytes) for n, t in comms])
+        assert all(op(A, group).is_contiguous() for op in (scatter_to_sequence_parallel_region,
+                                                            scatter_to_tensor_model_parallel_region))  # A strided
     log("f, g, scatter, gather, and SP's gather, reduce-scatter and scatter along s: forward and backward == "
-        "closed forms")
+        "closed forms; scatters hand back a contiguous slice")
     log("each passes <op(x), dy> == <x, op_backward(dy)>, a replicated tensor's inner product counted once")
     log("each issues its collective(s) on its group, handing in the tensor its docstring names (traffic())")
 
@@ -679,6 +681,7 @@ def sequence_parallel(groups, device):
     log("summed over the group by allreduce_sequence_parallel_grads == dense")
     mlp_and_attention(groups, device, sp=True)
     unequal_slices(groups[-1], device)
+    in_a_wrapper(device)
 
 
 def unequal_slices(sub, device):
@@ -706,6 +709,45 @@ def unequal_slices(sub, device):
         assert str(e).startswith(f"sequence-parallel slices differ across the group: shapes {shapes}; "), e
         log(f"refused on every rank: ValueError('{str(e)[:70]}..')")
     log(f"equal slices checked by one all-gather of the shape ({3 * 8} B) on a new shape, none while it stays")
+
+
+def in_a_wrapper(device):
+    """The SP MLP with gradient_accumulation_fusion in a data-parallel wrapper's handshake (as 09's): every grad
+    into the wrapper's main_grad, fc1's W also used by an ordinary op (W.zero_out_wgrad: a zero placeholder that the
+    hook adds), the row bias's read from main_grad by allreduce_sequence_parallel_grads; 2 micro-batches == dense."""
+    world = dist.get_world_size()
+    mlp = dense_blocks(2, device)["MLP"][0]
+    par = parallel_mlp(mlp, sequence_parallel=True)
+    par[0].gradient_accumulation_fusion, w, fired = True, par[0].weight, []
+    x, dy = ints(4, SEQ, BATCH, HIDDEN, device=device), ints(5, SEQ, BATCH, HIDDEN, device=device)
+    tie = ints(6, *w.shape, device=device)                              # the other use of W: <W, tie>
+
+    def hook(p):                                                        # Megatron's rule, as 09's wrapper obeys it
+        fired.append((p is w, p.grad_added_to_main_grad))
+        if not p.grad_added_to_main_grad or getattr(p, "zero_out_wgrad", False):
+            p.main_grad.add_(p.grad)
+        p.grad, p.grad_added_to_main_grad = None, False
+    for p in par.parameters():
+        p.main_grad, p.grad_added_to_main_grad = torch.zeros_like(p), False
+        p.register_post_accumulate_grad_hook(hook)
+    w.zero_out_wgrad = True
+    for _ in range(2):
+        ((par(part(x, SEQ_DIM, None)) * part(dy, SEQ_DIM, None)).sum() + (w * tie).sum()).backward()
+    allreduce_sequence_parallel_grads(par.parameters())
+    mlp.zero_grad()
+    mlp(x).backward(dy)
+    wants = [part(mlp[0].weight.grad, 0, None) + tie, part(mlp[0].bias.grad, 0, None),
+             part(mlp[2].weight.grad, 1, None), mlp[2].bias.grad]
+    for p, want in zip(par.parameters(), wants):
+        assert p.grad is None
+        torch.testing.assert_close(p.main_grad, 2 * want)
+    assert sorted(fired) == [(False, False)] * 6 + [(True, True)] * 2, fired     # each hook once a backward
+    w16 = torch.zeros(FFN // world, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
+    LinearWithSequenceParallel.apply(torch.ones(SEQ // world, BATCH, HIDDEN, device=device).bfloat16(), w16).sum() \
+        .backward()
+    assert w16.grad is None and w16.main_grad.dtype == torch.float32    # the layer's own main_grad: fp32
+    log("in a data-parallel wrapper's handshake (fused dW into main_grad; W tied, zero_out_wgrad; the row bias read "
+        "from main_grad): 2 micro-batches == dense; bf16 W: main_grad fp32")
 
 
 def kept_for_backward(fn, params, inputs=()):
