@@ -631,9 +631,12 @@ def regions(groups, device):
         mine = ints((3, 4), 50 + dist.get_rank(), device)                    # f and g on a caller's tensor
         keep, x = mine.clone(), ints((3, 4), 60, device).requires_grad_()
         summed = reduce_from_tensor_model_parallel_region(mine, group)
-        (g,) = torch.autograd.grad(copy_to_tensor_model_parallel_region(x, group), x, mine)
+        same = copy_to_tensor_model_parallel_region(x, group)
+        assert same.data_ptr() == x.data_ptr()                               # f's forward: x itself, no copy
+        (g,) = torch.autograd.grad(same, x, mine)
         want = sum(ints((3, 4), 50 + s, device) for s in ranks)
         assert torch.equal(summed, want) and torch.equal(g, want) and torch.equal(mine, keep)   # mine left alone
+        assert P > 1 or summed.data_ptr() == mine.data_ptr()                 # one rank: a no-op, no copy
     log("gather = all-gather, reduce_scatter = sum then slice, scatter = slice: exact, on strided inputs")
     W = dist.get_world_size()
     for op in (reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region):
@@ -696,6 +699,9 @@ def mlp_block_checks(groups, device):
         b2.main_grad, b2.grad = b2.grad, None               # as a data-parallel wrapper keeps it (read from there)
         with traffic() as runs["fix"]:
             allreduce_sequence_parallel_grads(sp["p"].values(), group)
+        with traffic() as unmarked:                                   # none marked sequence_parallel: nothing to do
+            allreduce_sequence_parallel_grads([sp["p"]["w1"], sp["p"]["w2"]], group)
+        assert not unmarked.calls, unmarked.calls
         for k in ("ln_w", "ln_b", "b2"):
             torch.testing.assert_close(tp["p"][k].grad, dense[k].grad)
             torch.testing.assert_close(sp["p"][k].main_grad if k == "b2" else sp["p"][k].grad, dense[k].grad)
@@ -750,10 +756,10 @@ def linear_overlap(groups, device):
         for got, want in zip((fused[0].grad, fused[1].main_grad, fused[2].grad), (t.grad for t in plain)):
             torch.testing.assert_close(got, 2 * want)
         assert fused[1].grad is None
-        unfused = [t.detach().clone().requires_grad_() for t in plain]                       # dW in W.grad
-        (LinearWithSequenceParallel.apply(*unfused, group, False) * g_out[..., rows]).sum().backward()
-        assert not hasattr(unfused[1], "main_grad")
-        for got, want in zip((t.grad for t in unfused), (t.grad for t in plain)):
+        unfused = [t.detach().clone().requires_grad_() for t in (plain[0].unsqueeze(2), *plain[1:])]  # dW in W.grad
+        (LinearWithSequenceParallel.apply(*unfused, group, False) * g_out[..., rows].unsqueeze(2)).sum().backward()
+        assert not hasattr(unfused[1], "main_grad")                   # x [s/tp, b, 1, h]: any dims, as nn.Linear
+        for got, want in zip((t.grad for t in unfused), (plain[0].grad.unsqueeze(2), plain[1].grad, plain[2].grad)):
             torch.testing.assert_close(got, want)
         repacked = [t.detach().clone().requires_grad_() for t in plain]   # saved tensors come back as other objects
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):    # (as offloading's do)
@@ -861,6 +867,11 @@ def ulysses(groups, device):
         except ValueError as err:
             assert str(err) == f"{what}={shape[dims[0]]} is not divisible by the group size {W}", err
             log(f"refused: ValueError: {err}")
+    try:
+        all_to_all_4d(torch.zeros(W, B, NH, D, device=device), 2, 2)
+        raise AssertionError("scatter_dim == gather_dim accepted")
+    except ValueError as err:
+        assert str(err).startswith("all_to_all_4d takes an [s, b, h, d] tensor and two different dims"), err
     log(f"the same on sub-groups {members(groups[-1])}, ..")
 
 
