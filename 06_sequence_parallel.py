@@ -751,8 +751,12 @@ def linear_overlap(groups, device):
         fused = [t.detach().clone().requires_grad_() for t in plain]
         (F.linear(gather_from_sequence_parallel_region(plain[0], group), *plain[1:]) * g_out[..., rows]).sum() \
             .backward()                                                                         # synchronous
-        for _ in range(2):                                                                      # two micro-batches
-            (LinearWithSequenceParallel.apply(*fused, group) * strided(g_out[..., rows])).sum().backward()
+        y, kept = kept_for_backward(lambda: LinearWithSequenceParallel.apply(*fused, group), fused[1:], fused[:1])
+        assert kept == fused[0].nbytes, kept              # its own [s/tp, b, h] slice: no copy, nothing gathered
+        (y * strided(g_out[..., rows])).sum().backward()                                        # micro-batch 1
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):  # 2: saved tensors come
+            y = LinearWithSequenceParallel.apply(*fused, group)       # back as other objects (as offloading's do):
+        (y * strided(g_out[..., rows])).sum().backward()              # main_grad still lands on W itself
         for got, want in zip((fused[0].grad, fused[1].main_grad, fused[2].grad), (t.grad for t in plain)):
             torch.testing.assert_close(got, 2 * want)
         assert fused[1].grad is None
@@ -761,14 +765,7 @@ def linear_overlap(groups, device):
         assert not hasattr(unfused[1], "main_grad")                   # x [s/tp, b, 1, h]: any dims, as nn.Linear
         for got, want in zip((t.grad for t in unfused), (plain[0].grad.unsqueeze(2), plain[1].grad, plain[2].grad)):
             torch.testing.assert_close(got, want)
-        repacked = [t.detach().clone().requires_grad_() for t in plain]   # saved tensors come back as other objects
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):    # (as offloading's do)
-            (LinearWithSequenceParallel.apply(*repacked, group) * g_out[..., rows]).sum().backward()
-        torch.testing.assert_close(repacked[1].main_grad, plain[1].grad)  # main_grad on W itself, not on its copy
-        x_in = plain[0].detach().clone()
-        kept = kept_for_backward(lambda: LinearWithSequenceParallel.apply(x_in, *fused[1:], group), fused[1:], [x_in])
-        assert kept[1] == x_in.nbytes, kept[1]            # its own [s/tp, b, h] slice: no copy, nothing gathered
-        handshake(plain, g_out[..., rows], group)
+        handshake(plain, g_out[..., rows], group, tied=group is not None)
     w_bf16 = w.bfloat16().requires_grad_()                                   # bf16 weights: main_grad is fp32
     LinearWithSequenceParallel.apply(x.chunk(dist.get_world_size())[dist.get_rank()].bfloat16(), w_bf16).sum() \
         .backward()
@@ -793,17 +790,18 @@ def linear_overlap(groups, device):
         "that it is queued first) and hides up to the smaller of the two")
 
 
-def handshake(inputs, g_out, group):
+def handshake(inputs, g_out, group, tied=True):
     """A data-parallel wrapper's side of Megatron's handshake, as 09's is: W.main_grad a view of a flat bucket,
     W.grad_added_to_main_grad = False, and a post-accumulate-grad hook that adds W.grad into main_grad only when
-    `not W.grad_added_to_main_grad or W.zero_out_wgrad`, then drops it. Tied: W is also an embedding table."""
+    `not W.grad_added_to_main_grad or W.zero_out_wgrad`, then drops it. tied: also with W an embedding table."""
     ids = torch.arange(inputs[1].shape[0], device=g_out.device).flip(0).repeat(3)   # every row of W, 3 times
     g_emb = ints((len(ids), H), 77 + dist.get_rank(), g_out.device)
-    x_ref, w_ref, b_ref = (t.detach().clone().requires_grad_() for t in inputs)   # dense: autograd, both uses
-    ((F.linear(gather_from_sequence_parallel_region(x_ref, group), w_ref, b_ref) * g_out).sum()
-     + (F.embedding(ids, w_ref) * g_emb).sum()).backward()
+    if tied:
+        w_ref = inputs[1].detach().clone().requires_grad_()                        # dense: autograd, both uses
+        ((F.linear(gather_from_sequence_parallel_region(inputs[0].detach(), group), w_ref, inputs[2].detach())
+          * g_out).sum() + (F.embedding(ids, w_ref) * g_emb).sum()).backward()
     main = {}
-    for tied, zero_out in ((False, False), (True, True), (True, False)):
+    for tied, zero_out in ((False, False), (True, True), (True, False))[:3 if tied else 1]:
         x, w, b = (t.detach().clone().requires_grad_() for t in inputs)
         wide = torch.promote_types(w.dtype, torch.float32)                           # fp32, or W's if wider
         bucket = torch.zeros(w.numel() + 3, dtype=wide, device=w.device)              # more than W alone
@@ -821,10 +819,12 @@ def handshake(inputs, g_out, group):
             loss = (LinearWithSequenceParallel.apply(x, w, b, group) * g_out).sum()
             (loss + (F.embedding(ids, w) * g_emb).sum() if tied else loss).backward()
         assert fired == [(True, w.shape)] * 2 and w.grad is None and not bucket[:3].any(), fired
-        torch.testing.assert_close(x.grad, 2 * x_ref.grad)
+        torch.testing.assert_close(x.grad, 2 * inputs[0].grad)
         main[tied, zero_out] = w.main_grad
     linear_dw = 2 * inputs[1].grad                                    # the fused linear's dW alone, 2 micro-batches
     torch.testing.assert_close(main[False, False], linear_dw)         # untied: the empty placeholder, dropped
+    if not tied:
+        return
     torch.testing.assert_close(main[True, True], 2 * w_ref.grad)      # tied: == autograd over both uses
     torch.testing.assert_close(main[True, False], linear_dw)          # tied, no zero_out_wgrad: the lookup's dW lost
     assert not torch.allclose(main[True, False], main[True, True])
