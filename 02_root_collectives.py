@@ -44,6 +44,7 @@ def _group_rank(group, global_rank):
 
 
 def _global(group, group_rank):
+    """send/recv take global ranks; translate a rank within `group`."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 

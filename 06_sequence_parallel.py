@@ -188,8 +188,9 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _gather_along_dim(grad, ctx.dim, ctx.group), None, None
 
 
-class _AllToAll(torch.autograd.Function):
-    """forward: all-to-all, scatter_dim split and gather_dim joined; backward: the same with the dims swapped."""
+class _SeqAllToAll(torch.autograd.Function):
+    """forward: all-to-all, scatter_dim split and gather_dim joined (DeepSpeed-Ulysses' _SeqAllToAll); backward: the
+    same with the dims swapped."""
     @staticmethod
     def forward(ctx, x, scatter_dim, gather_dim, group):
         ctx.dims, ctx.group = (scatter_dim, gather_dim), group
@@ -312,7 +313,7 @@ def all_to_all_4d(x, scatter_dim: int, gather_dim: int, group=None):
         raise ValueError(f"all_to_all_4d takes an [s, b, h, d] tensor and two different dims in 0..3, got shape "
                          f"{tuple(x.shape)}, scatter_dim={scatter_dim}, gather_dim={gather_dim}")
     _divide(("sequence", "batch", "heads", "head_dim")[scatter_dim], x.size(scatter_dim), group)
-    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+    return _SeqAllToAll.apply(x, scatter_dim, gather_dim, group)
 
 
 def ulysses_attention(q, k, v, is_causal: bool = False, group=None):

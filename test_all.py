@@ -394,6 +394,26 @@ def test_a_paste_needs_every_import_it_uses(tmp_path):
         namespace["quiet"]()
 
 
+def test_one_operator_is_one_text_across_lessons():
+    """A block that two lessons carry under one name (the mappings of 03, 05, 06 and 07, the SP linear of 05 and 06)
+    is the same text, character for character: a bug mended in one copy cannot live on in another."""
+    import ast
+    defs = {}
+    for script in LESSONS:
+        if script.startswith("10_"):
+            continue  # 10 imports the others' blocks
+        text = building_blocks(HERE / script)
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defs.setdefault(node.name, {})[script] = ast.get_source_segment(text, node)
+    shared = {name: by_file for name, by_file in defs.items() if len(by_file) > 1}
+    assert {"_reduce", "LinearWithSequenceParallel", "copy_to_tensor_model_parallel_region"} <= set(shared)
+    for name, by_file in shared.items():
+        first, *rest = by_file
+        for other in rest:
+            assert by_file[other] == by_file[first], f"{name} differs between {first} and {other}"
+
+
 def test_every_lesson_has_a_pasted_block_check():
     assert set(PASTED) >= set(LESSONS) - {"10_3d_parallel.py"}, "add the lesson to PASTED"
 
