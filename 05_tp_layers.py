@@ -656,7 +656,7 @@ def mlp_and_attention(groups, device, sp=False):
                     f"{wire(t, p):g} bytes on the wire = (2 + 3) ({p}-1)/{p} * {V}")
             else:
                 log(f"{name}: output, input grad, every grad shard == dense; one all-reduce each way: "
-                    f"{wire(t, p) / 2:g} bytes on the wire = 2 ({p}-1)/{p} * {V}")
+                    f"{wire(t, p):g} bytes on the wire = (2 + 2) ({p}-1)/{p} * {V}")
             per_rank, whole = (sum(q.nbytes for q in m.parameters()) for m in (par, dense))
             bias = HIDDEN * F64.itemsize  # the row layer's bias: the one parameter kept whole, not split
             assert p * per_rank == whole + (p - 1) * bias, (per_rank, whole, bias)

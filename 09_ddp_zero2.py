@@ -1118,8 +1118,13 @@ def check_misuse(rank, device, base):
     model.step()  # now it may
     errors.append(expect(RuntimeError, lambda: model.load_state_dict({"l1.weight": base.l1.weight})))
     for e in errors[:2] + errors[3:4] + errors[-3:-2]:  # (all asserted: one line each)
-        log(e[:114])
+        log(short(e))
     log(f"... {len(errors)} misuses in all, each one line")
+
+
+def short(line, width=114):
+    """The line, cut at a word boundary with "..." where it is longer than width."""
+    return line if len(line) <= width else line[:line.rfind(" ", 0, width - 3)] + " ..."
 
 
 def decay_groups(module):
@@ -1202,9 +1207,9 @@ def check_module(rank, W, device, base):
             assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     log("nn.Modules: named_parameters() and state_dict() by the module's names; train()/eval(); zero_grad() drops")
     log("gradients; right after step() ZeRO-2 reads wait for their gathers; ZeRO-3 reads inside gathered(), else:")
-    log(read[:114])
+    log(short(read))
     log("torch.nn.utils.clip_grad_norm_(model.parameters()) == one process on DDP (section 2); on ZeRO it raises:")
-    log(clip[:114])
+    log(short(clip))
 
 
 def run_steps(model, steps, rank, device):
@@ -1275,7 +1280,8 @@ def check_checkpoint(rank, W, device, base, where=None, phase=None):
     log(f"DDP, ZeRO-2, ZeRO-3, world and {subgroups}: state_dict() and each rank's optimizer_state_dict()")
     log("after step 2, loaded into a new wrapper over other values: steps 3-4 bit-equal to the run that went on")
     log(f"the model's state_dict loads at another world size ({W} -> {len(subgroups[mine])}); the optimizer's "
-        f"shards do not: {refused[:20]}...")
+        f"shards do not, in one line:")
+    log(short(refused))
 
 
 class FusedLinear(nn.Linear):
