@@ -442,21 +442,6 @@ def test_empty_settings_mean_the_defaults():
     check_passed(launch(LESSONS[0], 2, extra_env={"BACKEND": "", "PG_TIMEOUT": ""}, real_exit=False))
 
 
-def test_a_stuck_rank_is_named(tmp_path):
-    """A rank that never arrives is named by the others (monitored_barrier), within the timeout, not a hang."""
-    probe = _script(tmp_path, """
-        import time
-        from common import finish, setup
-        rank, world, device = setup()
-        if rank == 2:
-            time.sleep(30)
-        finish("unreachable")
-    """)
-    run_ = launch(probe, 3, extra_env={"PG_TIMEOUT": "2"}, deadline=60, real_exit=False, grace=3)
-    assert not run_.timed_out and run_.codes[0] not in (0, None), run_.report()
-    assert re.search(r"[Rr]ank 2 ", run_.errs[0]) or "[2]" in run_.errs[0], run_.report()
-
-
 def test_the_contract_check_catches_a_non_contiguous_tensor(tmp_path):
     """The launcher's NCCL contract can fail: a transposed view handed to all_reduce names the op and line."""
     probe = _script(tmp_path, """
@@ -696,7 +681,8 @@ def test_trace_of_09_shows_all_reduces_under_backward(tmp_path):
 
 
 def test_two_stuck_ranks_are_both_named(tmp_path):
-    """The monitored barrier at the end waits for every rank it can, and names all that never came, not the first."""
+    """A rank that never arrives is named by the others (monitored_barrier), within the timeout, not a hang; and the
+    barrier at the end waits for every rank it can, naming all that never came, not only the first."""
     probe = _script(tmp_path, """
         import time
         from common import finish, setup
@@ -705,7 +691,7 @@ def test_two_stuck_ranks_are_both_named(tmp_path):
             time.sleep(30)
         finish("unreachable")
     """)
-    run_ = launch(probe, 4, extra_env={"PG_TIMEOUT": "2"}, deadline=60, real_exit=False, grace=3)
+    run_ = launch(probe, 4, extra_env={"PG_TIMEOUT": "1"}, deadline=60, real_exit=False, grace=2)
     assert not run_.timed_out and run_.codes[0] not in (0, None), run_.report()
     assert re.search(r"Ranks 1, 3 failed to pass monitoredBarrier", run_.errs[0]), run_.report()
 
