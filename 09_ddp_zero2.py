@@ -1505,7 +1505,8 @@ def main():
     check_outside(W, device)
     if W <= 2:  # (the suite checks it at 4 ranks across two launches: CKPT_PHASE)
         check_checkpoint(rank, W, device, base)
-    finish("DDP == ZeRO-2 == ZeRO-3 == one process; 2, 2, 3 x (W-1)/W x V a step; bytes; nn.Modules that resume")
+    finish("DDP == ZeRO-2 == ZeRO-3 == one process; 2, 2, 3 x (W-1)/W x V a step of one micro-batch; bytes; "
+           "nn.Modules that resume")
 
 
 if __name__ == "__main__":
