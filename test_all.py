@@ -689,6 +689,22 @@ def test_trace_of_09_shows_all_reduces_under_backward(tmp_path):
         assert under, f"rank {rank}: no backward op ran while an all-reduce was in flight"
 
 
+def test_ring_bytes_are_nccl_tests_bus_factors():
+    """common.ring_bytes(op, 1, W) is the bus-bandwidth factor nccl-tests' doc/PERFORMANCE.md gives for each op
+    (03's BENCH divides by it): all_reduce 2(n-1)/n, reduce_scatter, all_gather and all_to_all (n-1)/n,
+    broadcast 1."""
+    sys.path.insert(0, str(HERE))
+    import common
+    from fractions import Fraction
+    doc = {"all_reduce": lambda n: Fraction(2 * (n - 1), n), "reduce_scatter": lambda n: Fraction(n - 1, n),
+           "all_gather": lambda n: Fraction(n - 1, n), "all_to_all": lambda n: Fraction(n - 1, n),
+           "broadcast": lambda n: Fraction(1)}
+    for op, factor in doc.items():
+        for n in range(1, 9):
+            assert abs(common.ring_bytes(op, 1, n) - factor(n)) < 1e-12, (op, n)
+            assert abs(common.ring_bytes(op, 4096, n) - 4096 * factor(n)) < 1e-9, (op, n)
+
+
 def test_two_stuck_ranks_are_both_named(tmp_path):
     """A rank that never arrives is named by the others (monitored_barrier), within the timeout, not a hang; and the
     barrier at the end waits for every rank it can, naming all that never came, not only the first."""
