@@ -440,8 +440,8 @@ def tp_dp_groups(tp: int):
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import (finish, head, held_bytes, launched_world_size, log, log_all, refuse, ring_bytes, setup,
-                        strided_groups, traffic)
+    from common import (finish, head, kept_for_backward, launched_world_size, log, log_all, refuse, ring_bytes,
+                        setup, strided_groups, traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -748,16 +748,6 @@ def in_a_wrapper(device):
     assert w16.grad is None and w16.main_grad.dtype == torch.float32    # the layer's own main_grad: fp32
     log("in a data-parallel wrapper's handshake (fused dW into main_grad; W tied, zero_out_wgrad; the row bias read "
         "from main_grad): 2 micro-batches == dense; bf16 W: main_grad fp32")
-
-
-def kept_for_backward(fn, params, inputs=()):
-    """fn()'s output and the bytes of the activations autograd saved for its backward (common.held_bytes:
-    distinct storages, parameters left out), `inputs` counted with them: a block that keeps its input itself,
-    not a copy, adds nothing by that."""
-    saved, skip = [], {q.untyped_storage().data_ptr() for q in params}
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = fn()
-    return out, held_bytes([t for t in saved if t.untyped_storage().data_ptr() not in skip] + list(inputs))
 
 
 def activation_memory(device):

@@ -539,8 +539,8 @@ def ring_attention(q, k, v, is_causal: bool = False, group=None, *, fused: bool 
 import os
 
 try:
-    from common import (finish, head, held_bytes, launched_world_size, log, memory, refuse, replays, ring_bytes,
-                        setup, strided_groups, sync, time_overlap, traffic)
+    from common import (finish, head, kept_for_backward, launched_world_size, log, memory, refuse, replays,
+                        ring_bytes, setup, strided_groups, sync, time_overlap, traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -599,16 +599,6 @@ def adjoint_checked(op, x, group=None, replicated=False):
     dist.all_reduce(sides, group=group)
     assert sides[0] == sides[1], f"adjoint test: {sides.tolist()}"
     return out.detach()
-
-
-def kept_for_backward(fn, params, inputs=()):
-    """fn()'s output and the bytes of the activations autograd saved for its backward (common.held_bytes:
-    distinct storages, parameters left out), `inputs` counted with them: a block that keeps its input itself,
-    not a copy, adds nothing by that."""
-    saved, skip = [], {q.untyped_storage().data_ptr() for q in params}
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = fn()
-    return out, held_bytes([t for t in saved if t.untyped_storage().data_ptr() not in skip] + list(inputs))
 
 
 def regions(groups, device):

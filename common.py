@@ -24,6 +24,7 @@ Every demo starts with `rank, world, device = setup()` and ends with `finish("wh
     traffic()      `with traffic() as t:` counts this rank's collectives and P2P calls and the bytes handed to them
     memory()       `with memory() as m:` the bytes this rank allocates and still holds (m.live(), m.peak);
                    held_bytes(tensors) the bytes behind tensors that exist already
+                   kept_for_backward(fn, params) fn()'s output and the bytes autograd saved for its backward
     checking tools strided_groups(stride): sub-groups whose group rank is not the global rank;
                    replays(schedules): whether posted P2P orders complete as blocking sends (or deadlock);
                    ring_bytes(op, V, W): the bytes one rank sends for a V-byte collective, ring algorithm
@@ -398,6 +399,16 @@ def held_bytes(tensors) -> int:
             s = t.untyped_storage()
             seen[s.data_ptr() if s.nbytes() else id(t)] = s.nbytes()
     return sum(seen.values())
+
+
+def kept_for_backward(fn, params, inputs=()):
+    """fn()'s output and the bytes of the activations autograd saved for its backward (held_bytes:
+    distinct storages, parameters left out), `inputs` counted with them: a block that keeps its input itself,
+    not a copy, adds nothing by that."""
+    saved, skip = [], {q.untyped_storage().data_ptr() for q in params}
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn()
+    return out, held_bytes([t for t in saved if t.untyped_storage().data_ptr() not in skip] + list(inputs))
 
 
 def memory(device=None):
