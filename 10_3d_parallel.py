@@ -483,7 +483,7 @@ def saved_activations(stage, readings):
         return t
 
     def live(*_):
-        gc.collect()           # what is still reachable: a reference cycle (08's runner leaves one) is not kept
+        gc.collect()           # what is still reachable: a reference cycle awaiting the collector is not kept
         for key, ref in list(refs.items()):
             if ref.expired():
                 del refs[key]
