@@ -61,7 +61,8 @@ def refuse(why: str):
     exists yet (refusals come before setup(), and NCCL may be what is being refused).
     """
     rank = os.environ.get("RANK", "?")
-    print(f"[R{rank}] {_script()} refuses to run: {why}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"[R{rank}] {_script()} refuses to run: {why}\n")  # one write: ranks' lines never interleave
+    sys.stderr.flush()
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=_timeout)
     teardown()
