@@ -295,29 +295,32 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_parallel:  X_r [s/p, b, in] --all-gather along s--> X [s, b, in] --> Y_r [s, b, out/p]
     nn.Linear stores A^T as weight [out, in]: rank r keeps rows r of the weight, and b_r. With sequence_parallel
     it runs LinearWithSequenceParallel: backward keeps only X_r and all-gathers it again; every rank's X_r must
-    have one shape (checked, see _check_equal_slices). gradient_accumulation_fusion (SP only): dW goes to
-    weight.main_grad, not weight.grad.
+    have one shape, checked on every call (check_slices, see _check_equal_slices). gradient_accumulation_fusion
+    (SP only): dW goes to weight.main_grad, not weight.grad.
     """
     weight_dim = 0
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False, group=None,
-                 device=None, dtype=None, sequence_parallel=False, gradient_accumulation_fusion=False):
+                 device=None, dtype=None, sequence_parallel=False, gradient_accumulation_fusion=False,
+                 check_slices=True):
         super().__init__(in_features, out_features, bias, group, device, dtype, sequence_parallel)
         self.gather_output, self.gradient_accumulation_fusion = gather_output, gradient_accumulation_fusion
-        self._checked_shape = None
+        self.check_slices = check_slices
 
     def _check_equal_slices(self, x):
         """Unequal slices would abort gloo's all-gather (SIGABRT on one rank, the others carry on with a wrong
-        shape) and hang NCCL's. So one all-gather of the shape checks them, on the first call and whenever this
-        rank's shape changes: per step, nothing (a rank whose shape alone changes still meets a mismatch)."""
-        if dist.get_world_size(self.group) == 1 or x.shape == self._checked_shape:
+        shape) and hang NCCL's. So every call all-gathers a header of 8 int64 (64 B, one size whatever x is):
+        x.dim(), x.numel() and the first 6 sizes; then waits for the answer (a host sync on a GPU). A caller
+        whose slices are equal by construction (they come from a reduce-scatter) turns it off: check_slices=False."""
+        if not self.check_slices or dist.get_world_size(self.group) == 1:
             return
-        shape = torch.tensor(x.shape, device=x.device)
-        every = _gather_along_dim(shape.unsqueeze(0), 0, self.group)               # [p, x.dim()]
-        if not bool((every == shape).all()):
-            raise ValueError(f"sequence-parallel slices differ across the group: shapes {every.tolist()}; every "
+        sizes = list(x.shape[:6])
+        header = torch.tensor([x.dim(), x.numel(), *sizes, *[0] * (6 - len(sizes))], device=x.device)
+        every = _gather_along_dim(header.unsqueeze(0), 0, self.group)             # [p, 8]
+        if not bool((every == header).all()):
+            shapes = [row[2:2 + min(row[0], 6)] for row in every.tolist()]
+            raise ValueError(f"sequence-parallel slices differ across the group: shapes {shapes}; every "
                              f"rank must hand in [s/p, b, in] of one shape (scatter_to_sequence_parallel_region)")
-        self._checked_shape = x.shape
 
     def forward(self, x):                       # x: [.., in] the same on every rank, or with SP [s/p, b, in]
         if self.sequence_parallel:
@@ -448,6 +451,7 @@ except ImportError:  # the blocks above, imported alone where common.py is absen
 HIDDEN, HEADS, FFN, BATCH, SEQ = 32, 8, 64, 2, 8  # every size divides by p in {1, 2, 4, 8}
 SEQ_DIM = 0  # activations are Megatron's [s, b, h]: sequence parallelism splits dim 0
 F64 = torch.float64
+HEADER = 8 * 8  # the SP column layer's slice check: an all-gather of 8 int64 on every call
 BF16_TOL = 2 ** -6  # rtol and atol in bf16: 2 units in the last place at 1 (bf16 keeps 8 significant bits)
 
 
@@ -554,8 +558,6 @@ def check_against_dense(dense_fn, parallel, x, dy, group, dense_grads, x_dim=Non
     parallel input / output is this rank's slice (None: whole). Returns traffic() of the parallel step."""
     cut = lambda t, dim: t if dim is None else part(t, dim, group)
     x_p, x = leaf(cut(x, x_dim)), leaf(x)
-    with torch.no_grad():
-        parallel(x_p)  # a first call: an SP column layer checks the slices' shapes here (traffic below: per step)
     with traffic() as t:
         y_p = parallel(x_p)
         y_p.backward(cut(dy, y_dim))
@@ -636,24 +638,29 @@ def dense_blocks(seed, device, dtype=F64):
 
 def mlp_and_attention(groups, device, sp=False):
     """Each block == dense on the world and on the strided groups, its collectives counted: one all-reduce each
-    way (SP: an all-gather and a reduce-scatter each way), the same bytes on the wire: 2 (p-1)/p V each way."""
+    way (SP: an all-gather and a reduce-scatter each way, after the column layer's 64-B slice check), the same
+    bytes on the wire: 2 (p-1)/p V each way."""
     x, dy = ints(4, SEQ, BATCH, HIDDEN, device=device), ints(5, SEQ, BATCH, HIDDEN, device=device)
     V = x.numel() * x.element_size()
     seq_dim = SEQ_DIM if sp else None
-    # SP: forward all-gather, reduce-scatter; backward all-gather (row), all-gather again and reduce-scatter (column)
-    comms = ["all_gather", "reduce_scatter", "all_gather", "all_gather", "reduce_scatter"] if sp else ["all_reduce"] * 2
+    # SP: forward the slice check, all-gather, reduce-scatter; backward all-gather (row), all-gather again and
+    # reduce-scatter (column)
+    comms = (["all_gather"] * 2 + ["reduce_scatter", "all_gather", "all_gather", "reduce_scatter"] if sp else
+             ["all_reduce"] * 2)
     for name, (dense, dense_fn, grads, make) in dense_blocks(2, device).items():
         for group in groups:
             p = dist.get_world_size(group)
             dense.zero_grad()
             par = make(dense, group, sequence_parallel=sp)
             t = check_against_dense(dense_fn, par, x, dy, group, lambda: grads(par), seq_dim, seq_dim)
-            assert names(t) == (comms if p > 1 else []) and wire(t, p) == (4 + sp) * (p - 1) * V / p, (name, t.calls)
+            assert names(t) == (comms if p > 1 else []), (name, t.calls)
+            assert t.calls[:sp] == [("all_gather", tuple(members(group)), HEADER)][:sp * (p > 1)], t.calls
+            assert wire(t, p) == (4 + sp) * (p - 1) * V / p + sp * (p - 1) * HEADER, (name, t.calls)
             if group is not None:
                 continue
             if sp:
                 log(f"{name}: == dense; all-gather + reduce-scatter forward, and backward one all-gather more: "
-                    f"{wire(t, p):g} bytes on the wire = (2 + 3) ({p}-1)/{p} * {V}")
+                    f"{wire(t, p):g} bytes on the wire = (2 + 3) ({p}-1)/{p} * {V} + ({p}-1) * {HEADER} (the check)")
             else:
                 log(f"{name}: output, input grad, every grad shard == dense; one all-reduce each way: "
                     f"{wire(t, p):g} bytes on the wire = (2 + 2) ({p}-1)/{p} * {V}")
@@ -668,10 +675,12 @@ def mlp_and_attention(groups, device, sp=False):
 def sequence_parallel(groups, device):
     check_layers(groups, device, (
         (ColumnParallelLinear, {"sequence_parallel": True}, SEQ_DIM, -1,
+         ["all_gather", "all_gather", "all_gather", "reduce_scatter"]),               # the slice check first
+        (ColumnParallelLinear, {"sequence_parallel": True, "check_slices": False}, SEQ_DIM, -1,
          ["all_gather", "all_gather", "reduce_scatter"]),
         (RowParallelLinear, {"sequence_parallel": True}, -1, SEQ_DIM, ["reduce_scatter", "all_gather"]),
         (ColumnParallelLinear, {"sequence_parallel": True, "gather_output": True}, SEQ_DIM, None,
-         ["all_gather", "all_gather", "all_gather", "reduce_scatter"]),
+         ["all_gather", "all_gather", "all_gather", "all_gather", "reduce_scatter"]),
         (RowParallelLinear, {"sequence_parallel": True, "input_is_parallel": False}, None, SEQ_DIM,
          ["reduce_scatter", "all_gather", "all_gather"])))
     log("column [s/p, b, in] -> [s, b, out/p]: all-gathers s forward; backward all-gathers it again (for dW) and "
@@ -685,30 +694,39 @@ def sequence_parallel(groups, device):
 
 
 def unequal_slices(sub, device):
-    """The SP column layer's precondition, equal slices on every rank: one all-gather of the shape on a new shape,
-    none while it stays; unequal ones raise one ValueError line on every rank instead of aborting gloo."""
+    """The SP column layer's precondition, equal slices on every rank, checked on every call by one all-gather of
+    a 64-B header: a rank whose length alone changes, or every rank's, raises one ValueError line on every rank
+    instead of aborting gloo; check_slices=False issues nothing more than the layer's own all-gather."""
     world, rank = dist.get_world_size(), dist.get_rank()
     layer = ColumnParallelLinear(HIDDEN, FFN, sequence_parallel=True, device=device, dtype=F64)
     x = torch.zeros(SEQ // world, BATCH, HIDDEN, device=device, dtype=F64)
-    with traffic() as t:
-        layer(x)
-        layer(x)
-    check = [("all_gather", 3 * 8)] if world > 1 else []                    # the shape: 3 int64
-    assert [(n, b) for n, _, b in t.calls] == check + [("all_gather", x.nbytes)] * (world > 1) * 2, t.calls
+    for check in (True, False):
+        layer.check_slices = check
+        with traffic() as t:
+            layer(x)
+            layer(x)
+        want = ([("all_gather", HEADER)] * check + [("all_gather", x.nbytes)]) * 2 if world > 1 else []
+        assert [(n, b) for n, _, b in t.calls] == want, (check, t.calls)
+    layer.check_slices = True
     n, size = 2 + rank % 2, dist.get_world_size(sub)                      # each strided group its own length:
     layer_sub = ColumnParallelLinear(HIDDEN, FFN, sequence_parallel=True, group=sub, device=device, dtype=F64)
     assert layer_sub(x.new_zeros(n, BATCH, HIDDEN)).shape == (size * n, BATCH, FFN // size)   # equal in each group
     if world == 1:
         return
-    lengths = [SEQ // world + 1 + (r > 0) for r in range(world)]            # every rank's shape changes
-    try:
-        layer(torch.zeros(lengths[rank], BATCH, HIDDEN, device=device, dtype=F64))
-        raise AssertionError("unequal slices accepted")
-    except ValueError as e:
-        shapes = [[n, BATCH, HIDDEN] for n in lengths]
-        assert str(e).startswith(f"sequence-parallel slices differ across the group: shapes {shapes}; "), e
-        log(f"refused on every rank: ValueError('{str(e)[:70]}..')")
-    log(f"equal slices checked by one all-gather of the shape ({3 * 8} B) on a new shape, none while it stays")
+    for lengths in ([SEQ // world + (r == world - 1) for r in range(world)],     # the last rank's alone changes
+                    [SEQ // world + 1 + (r > 0) for r in range(world)]):      # every rank's changes
+        try:
+            layer(torch.zeros(lengths[rank], BATCH, HIDDEN, device=device, dtype=F64))
+            raise AssertionError(f"unequal slices {lengths} accepted")
+        except ValueError as e:
+            shapes = [[n, BATCH, HIDDEN] for n in lengths]
+            said = str(e)
+            assert said.startswith(f"sequence-parallel slices differ across the group: shapes {shapes}; "), said
+    y = layer(x)                                                          # equal again: the layer carries on
+    assert y.shape == (SEQ, BATCH, FFN // world), y.shape
+    log(f"unequal slices refused by a ValueError on every rank: the last rank's length alone changed "
+        f"({SEQ // world} -> {SEQ // world + 1}), or every rank's")
+    log(f"equal slices checked on every call by one all-gather of a {HEADER}-B header (check_slices=False: none)")
 
 
 def in_a_wrapper(device):

@@ -133,6 +133,7 @@ class GPTStage(nn.Module):
             for m in mine.modules():
                 if isinstance(m, tp_layers.ColumnParallelLinear):
                     m.gradient_accumulation_fusion = True             # dW into main_grad (Megatron's fusion)
+                    m.check_slices = False          # equal by construction: every slice comes from a reduce-scatter
             for p in (*mine.ln1.parameters(), *mine.ln2.parameters(), mine.mlp[2].bias):
                 p.sequence_parallel = True                            # applied to this rank's slice of s
             self.layers.append(mine)
@@ -146,7 +147,7 @@ class GPTStage(nn.Module):
             tied = nn.Linear(gpt.embed.embedding_dim, gpt.embed.num_embeddings, bias=False, device="meta")
             tied.weight = gpt.embed.weight                            # [V, h]: column-parallel splits its rows
             self.head = tp_layers.ColumnParallelLinear.from_dense(tied, tp, sequence_parallel=True)
-            self.head.gradient_accumulation_fusion = True
+            self.head.gradient_accumulation_fusion, self.head.check_slices = True, False
             if self.is_first:
                 self.head.weight = self.embed.weight                  # one stage: one Parameter, as in GPT
                 self.head.weight.zero_out_wgrad = True                # used by the lookup too: dW in .grad
