@@ -1024,6 +1024,20 @@ def ring_step_bytes(P, r, n, d, bh, causal):
     return max(fwd), max(bwd)
 
 
+def ring_message_bytes(P, n, d, bh):
+    """Closed forms, fp32: the bytes held as each message of the ring starts (a send and its receive alike),
+    forward then backward. A sent buffer is freed at its wait, so a step holds its K/V and the K/V arriving;
+    forward also the output and log-sum-exp (from step 1); backward dq, and at the dK/dV exchange the dK/dV sent
+    and the one arriving (at the next step's K/V exchange still in flight)."""
+    A = bh * n * 4
+    row, msg = A * d, 2 * A * d
+    fwd = [2 * msg + (row + A) * (t > 0) for t in range(P - 1)]
+    bwd = []
+    for t in range(P):
+        bwd += [row + 2 * msg + 2 * msg * (t > 0)] * (t < P - 1) + [row + msg + msg * (t < P - 1) + 2 * msg]
+    return ([b for b in fwd for _ in "sr"], [b for b in bwd for _ in "sr"]) if P > 1 else ([], [])
+
+
 def ring_memory(device):
     """No score matrix on a rank: the bytes a ring step holds, measured, equal the closed form of the messages,
     accumulators and one block's output, and are less than one head's [s/P x s/P] fp32 score."""
@@ -1041,12 +1055,15 @@ def ring_memory(device):
         want = ring_step_bytes(P, r, n, d, b * h, causal)
         exact = dtype != torch.float32 or (fwd.peak, bwd.peak) == want                # bf16 adds its casts
         assert exact and max(fwd.peak, bwd.peak) < score, ((fwd.peak, bwd.peak), want, score)
+        held = ([b for _, b in fwd.comms], [b for _, b in bwd.comms])              # as each message starts
+        assert dtype != torch.float32 or held == ring_message_bytes(P, n, d, b * h), (held, fwd.comms, bwd.comms)
     with memory() as explicit:
         ring_attention(*qkv, is_causal=False, fused=False)
     assert explicit.peak >= b * h * n * n * 4                             # the meter sees a score when one exists
     log(f"peak bytes of a ring step (n = s/P = {n}, d {d}, {h} heads, {dtype}): forward {fwd.peak}, backward "
         f"{bwd.peak} == closed form, < one head's score {score}; explicit blocks {explicit.peak} B (the meter does "
         "not see the kernel's own tiles)")
+    log("bytes held as each K/V and dK/dV message starts == closed form: a sent buffer is freed at its wait")
 
 
 def ring_bf16(qkv, dout, sdpa, device):

@@ -421,6 +421,7 @@ def memory(device=None):
             loss.backward()
         m.peak                             # the most held at once (checked whenever an op allocates or grows one)
         m.reset()                          # the next peak starts from what is held now
+        m.comms                            # [(c10d op, bytes held as it started)]: e.g. is a sent buffer freed?
 
     It sees each op as it is dispatched (also inside autograd's backward and the c10d ops), notes the storage of
     every output, and keeps a weak reference: a storage is counted while something still holds it (saved for
@@ -442,7 +443,7 @@ def memory(device=None):
         def __init__(self):
             super().__init__()
             self.storages = {}  # cdata -> (weak ref, bytes when last seen)
-            self.peak, self.device_peak = 0, None
+            self.peak, self.device_peak, self.comms = 0, None, []
             self._device = torch.device(device) if device is not None else None
 
         def live(self) -> int:
@@ -456,7 +457,7 @@ def memory(device=None):
             return total
 
         def reset(self):
-            self.peak = self.live()
+            self.peak, self.comms = self.live(), []
 
         def _note(self, out, skip=()):
             grew = False
@@ -478,6 +479,8 @@ def memory(device=None):
                 self.peak = max(self.peak, self.live())
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                self.comms.append((func.__name__.split(".")[0], self.live()))
             out = func(*args, **(kwargs or {}))
             inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
                       if isinstance(t, torch.Tensor) and t.device.type != "meta"}  # views, in-place, c10d ops
