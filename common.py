@@ -457,7 +457,7 @@ def memory(device=None):
             return total
 
         def reset(self):
-            self.peak, self.comms = self.live(), []
+            self.peak = self.live()
 
         def _note(self, out, skip=()):
             grew = False
