@@ -717,7 +717,8 @@ def test_two_stuck_ranks_are_both_named(tmp_path):
             time.sleep(30)
         finish("unreachable")
     """)
-    run_ = launch(probe, 4, extra_env={"PG_TIMEOUT": "1"}, deadline=60, real_exit=False, grace=2)
+    # 2 s, not 1: the timeout also bounds joining the group, which a loaded machine can slow down
+    run_ = launch(probe, 4, extra_env={"PG_TIMEOUT": "2"}, deadline=60, real_exit=False, grace=2)
     assert not run_.timed_out and run_.codes[0] not in (0, None), run_.report()
     assert re.search(r"Ranks 1, 3 failed to pass monitoredBarrier", run_.errs[0]), run_.report()
 
