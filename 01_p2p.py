@@ -338,6 +338,13 @@ def variable_shapes(rank, W, device, group, members, H=8):
             on_group(t, chain, 2 * (i < n - 1), 2 * (i > 0))
             assert t.bytes["send"] == (i < n - 1) * (hdr + mb.nbytes) and t.bytes["recv"] == (i > 0) * (hdr + mb.nbytes)
     assert hdr == 8 * (MAX_NDIM + 1)
+    full = torch.Size(range(2, 2 + MAX_NDIM))                      # the most dims a header holds: they fit
+    assert shape_from_header(shape_header(full, device)) == full
+    try:
+        shape_header((1,) * (MAX_NDIM + 1), device)
+        raise AssertionError("a shape of MAX_NDIM + 1 dims was accepted")
+    except ValueError:
+        pass
     log(f"3 micro-batches of {seq_lens} tokens x {H}, shapes alternating [s, H] and [H, s]: each stage allocates "
         f"from a {hdr} B header, then receives; also in {{0, 2, ..}}, {{1, 3, ..}}"
         + (" (W=1: nothing to send; the header round-trips)" if W == 1 else ""))
