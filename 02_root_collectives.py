@@ -249,6 +249,17 @@ def scatter_section(rank, device, todo):
             V, sent = rows.nbytes, rows.nbytes - out.nbytes   # the root keeps its own slice
     log(f"the root hands in V = {V} B, keeps its slice, sends (W-1)/W V = {sent} B; every other rank receives "
         f"V/W = {V - sent} B; also the transposed (non-contiguous) tensor along dim 1")
+    if rank == 0:   # misuse is refused on the root before any message leaves (so no other rank calls here)
+        W, out = dist.get_world_size(), torch.empty(2, 3, dtype=F64, device=device)
+        for rows, cols in ((2 * W - 1, 3), (2 * W, 4)):              # not divisible by W; slices of [2, 4]
+            bad = torch.zeros(rows, cols, dtype=F64, device=device)
+            with traffic() as t:
+                try:
+                    scatter_along_dim(bad, out, 0)
+                    raise AssertionError(f"scatter of a {tuple(bad.shape)} tensor into {tuple(out.shape)} was accepted")
+                except ValueError:
+                    assert not t.calls, t.calls
+        log(f"refused on the root, nothing sent: {2 * W - 1} rows over {W} ranks, a slice that does not fit `out`")
 
 
 def gather_section(rank, device, todo, B=2, S=3, v=4):
@@ -263,6 +274,17 @@ def gather_section(rank, device, todo, B=2, S=3, v=4):
             assert torch.equal(got, whole) if rank == root else got is None
             on(t, members, gather=1)
             assert t.bytes["gather"] == shard.nbytes == whole.nbytes // n    # every rank hands in V/W
+    x = torch.full((1, 2), float(rank), dtype=F64, device=device)            # dim -2 = -x.dim(), i.e. dim 0
+    got, W = gather_along_dim(x, -2), dist.get_world_size()
+    ref = torch.arange(W, dtype=F64, device=device)[:, None].expand(W, 2)    # row r: rank r's x
+    assert torch.equal(got, ref) if rank == 0 else got is None
+    with traffic() as t:
+        try:
+            gather_along_dim(x, 2)                                             # every rank refuses, none sends
+            raise AssertionError("gather along dim 2 of a 2-d tensor was accepted")
+        except ValueError:
+            assert not t.calls, t.calls
+    log("gather along dim -2 of a 2-d tensor == along dim 0; along dim 2 refused on every rank, nothing sent")
     log(f"the root holds the full [{B}, {S}, {v} * W] logits and [{B}, {S} * W, {v}] states, the others None; every "
         f"rank sends its V/W shard ({shard.nbytes} B), the root receives the W-1 others")
 
