@@ -319,16 +319,18 @@ def transposes_section(rank, device, todo):
     for k, group, members, root in todo:
         n = len(members)
         everywhere = lambda v: _all_reduce(torch.tensor([float(v)], dtype=F64, device=device), group)
+        odd = members.index(rank) % 2                    # odd group ranks hold transposed views, even ones do not
         y_of = lambda: (ints(k, 5, 2, device=device) + 10 * rank).T  # [2, 5], a transposed view; differs per rank
-        x, y = ints(k, 2, 5, device=device), y_of()
+        x, y = ints(k, 2, 5, device=device), y_of() if odd else y_of().contiguous()
         bx, ry = x.clone(), reduce_to(y, dst=root, group=group)
         dist.broadcast(bx, root, group=group)
         lhs, rhs = everywhere((bx * y).sum()), everywhere((x * ry).sum() if rank == root else 0)
         assert torch.equal(lhs, rhs) and torch.equal(y, y_of())  # sum_r <broadcast(x), y_r> == <x, reduce(y)>
-        xs, ys = ints(k, 2 * n, device=device), ints(k, 2, device=device) + 10 * rank
-        sx = scatter_along_dim(xs, torch.empty(2, dtype=F64, device=device), 0, src=root, group=group)
+        xs, ys = ints(k, 2 * n, 3, device=device), (ints(k, 3, 2, device=device) + 10 * rank).T  # [2n, 3], [2, 3]
+        ys = ys if odd else ys.contiguous()
+        sx = scatter_along_dim(xs, torch.empty(2, 3, dtype=F64, device=device), 0, src=root, group=group)
         gy = gather_along_dim(ys, 0, dst=root, group=group)
-        lhs, rhs = everywhere(sx @ ys), everywhere(xs @ gy if rank == root else 0)
+        lhs, rhs = everywhere((sx * ys).sum()), everywhere((xs * gy).sum() if rank == root else 0)
         assert torch.equal(lhs, rhs)                      # sum_r <scatter(x)_r, y_r> == <x, gather(y)>
     log("sum over ranks <broadcast(x), y> == <x, reduce(y)>, <scatter(x), y> == <x, gather(y)>: exact")
     log("so in autograd: the gradient of a broadcast is the reduce-sum of the ranks' gradients, on the root")
