@@ -271,11 +271,13 @@ def section_ring(rank, W, f64, groups):
         members, G, r = members_of(group)
         for shape in [(W, 3), (3 * W + 1,), (1,)]:      # world: V divisible by W; V not (W > 1); V < W
             X = torch.randint(-50, 50, (W, *shape), **f64)
+            x = X[rank].clone()                         # a strided view of it, or itself (contiguous) for (1,)
             with traffic() as t:
-                ring = ring_all_reduce(strided(X[rank]), group)
+                ring = ring_all_reduce(x if shape == (1,) else strided(x), group)
             ref = X[rank].clone()
             dist.all_reduce(ref, group=group)
             assert torch.equal(ring, X[members].sum(0)) and torch.equal(ring, ref)
+            assert torch.equal(x, X[rank])              # a new tensor: the input is left as it was
             assert all(ranks == tuple(members) for _, ranks, _ in t.calls)     # every post on this group
             sent = [b for kind, _, b in t.calls if kind == "send"]
             V, e = X[rank].numel(), X.element_size()
