@@ -206,6 +206,15 @@ def strided(t):
     return t.mT.contiguous().mT if t.dim() > 1 else torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
 
 
+class CountingIdentity(nn.Module):
+    """An identity expert that counts the rows it is handed (padding rows must not reach it)."""
+    rows = 0
+
+    def forward(self, x):
+        self.rows += x.shape[0]
+        return x
+
+
 def reference_moe(X, router, experts, k, capacity, n_per_rank):
     """One process, all experts local, in GShard's dense form: every expert runs on every token, and a
     [tokens, E] combine matrix weights the results (zero where a token did not pick, or lost, the expert).
@@ -329,14 +338,17 @@ def section_round_trip(device, groups):
         X = torch.randn(dist.get_world_size(), N, H, dtype=F64, device=device)[members]
         idx = torch.rand(G, N, E, device=device).argsort(-1)[..., :k]     # k distinct experts per token
         x, g = X[r].clone().requires_grad_(), torch.randn_like(X[r])
+        L = E // G
         for padded in (False, True):
-            x.grad = None
+            x.grad, experts = None, [CountingIdentity() for _ in range(L)]
             out, _ = moe_all_to_all(strided(x), idx[r], torch.full(idx[r].shape, 1 / k, dtype=F64, device=device),
-                                    [nn.Identity()] * (E // G), E, padded=padded, group=group)
+                                    experts, E, padded=padded, group=group)
             out.backward(g)
             assert torch.equal(out, x) and torch.equal(x.grad, g), f"round trip padded={padded}"
+            routed = [int((idx == r * L + l).sum()) for l in range(L)]      # every rank's rows for my experts
+            assert [ex.rows for ex in experts] == routed, f"padded={padded}: experts ran on padding rows"
     log(f"k={k}, {N} tokens per rank, {E} experts: out == x and dx == upstream grad, exactly, ragged and padded, "
-        f"world and sub-groups")
+        f"world and sub-groups; each expert ran on exactly the rows routed to it, no padding row")
 
 
 def section_moe(W, device, groups):
