@@ -271,9 +271,10 @@ def section_ring(rank, W, f64, groups):
         members, G, r = members_of(group)
         for shape in [(W, 3), (3 * W + 1,), (1,)]:      # world: V divisible by W; V not (W > 1); V < W
             X = torch.randint(-50, 50, (W, *shape), **f64)
-            x = X[rank].clone()                         # a strided view of it, or itself (contiguous) for (1,)
+            x = X[rank].clone().requires_grad_(shape == (1,))   # (1,): x itself, contiguous and requiring grad
             with traffic() as t:
                 ring = ring_all_reduce(x if shape == (1,) else strided(x), group)
+            assert not ring.requires_grad               # outside autograd: no silently wrong (identity) backward
             ref = X[rank].clone()
             dist.all_reduce(ref, group=group)
             assert torch.equal(ring, X[members].sum(0)) and torch.equal(ring, ref)
