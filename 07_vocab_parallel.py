@@ -528,17 +528,19 @@ def section_embedding(rank, world, device):
     log(f"sequence_parallel, ids [s={s}, b={b}]: rank r gets rows [r*s/W, (r+1)*s/W) of the sum, exactly as dense")
     log(f"  1 reduce-scatter of s*b*D={s * b * D} forward (half an all-reduce's bytes), 1 all-gather of "
         f"s/W*b*D={s * b * D // world} backward")
-    if world > 1:
-        sp = VocabParallelEmbedding(V, D, device=device, sequence_parallel=True)
-        for why, bad in (("V+1 rows", lambda: VocabParallelEmbedding(V + 1, D)),
-                         ("s=W+1", lambda: sp(torch.zeros(world + 1, 2, dtype=torch.long, device=device)))):
-            with traffic() as sent:
-                try:
-                    bad()
-                    raise AssertionError(f"{why} should be refused")
-                except ValueError as e:
-                    log(f"refused: {e}")
-            assert sent.calls == [], "refused before any work"
+    sp = VocabParallelEmbedding(V, D, device=device, sequence_parallel=True)
+    padded = nn.Embedding(V, D, padding_idx=0, device="meta")
+    for why, bad in (("V+1 rows", lambda: VocabParallelEmbedding(V + 1, D)),
+                     ("s=W+1", lambda: sp(torch.zeros(world + 1, 2, dtype=torch.long, device=device))),
+                     ("one id under SP", lambda: sp(torch.tensor(3, device=device))),
+                     ("padding_idx", lambda: VocabParallelEmbedding.from_dense(padded)))[2 * (world == 1):]:
+        with traffic() as sent:
+            try:
+                bad()
+                raise AssertionError(f"{why} should be refused")
+            except ValueError as e:
+                log(f"refused: {e}")
+        assert sent.calls == [], "refused before any work"
 
 
 def section_loss(rank, world, device):
@@ -580,11 +582,13 @@ held_by = {}  # the last peak each form held, for the log
 def loss_bytes(dtype, world, work, reduction="none"):
     """Closed forms, in bytes, of what vocab_parallel_cross_entropy holds on (T, B, V/W) logits of `dtype` besides
     them, taking `work` elements at a time: one slice A = N x V/W in the compute dtype (fp32 at least); forward's
-    work buffer, then the merge: the 3N x W numbers gathered and three (W, N) temporaries; kept for backward, per
+    work buffer, then the merge: the 3N x W numbers gathered and three (W, N) temporaries, either beside forward's
+    per-token numbers (m, s, c in the compute dtype, the local target and the owner in int64, two flags); kept for backward, per
     token the log-sum-exp, the local target (int64) and two flags; backward's dlogits (N x V/W in dtype) and,
     where dtype is narrower than fp32, the work buffer. "mean" also keeps its divisor (one int64)."""
     b, cb = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
-    return dict(slice=N * V // world * cb, work=work * cb, merge=6 * world * N * cb,
+    return dict(slice=N * V // world * cb, work=work * cb, merge=6 * world * N * cb, tokens=N * (3 * cb + 8 + 8 + 2),
+                sent=3 * N * cb,
                 kept=N * (cb + 8 + 1 + 1) + 8 * (reduction == "mean"),
                 dlogits=N * V // world * b + (work * cb if cb != b else 0))
 
@@ -601,7 +605,8 @@ def assert_held(held, dtype, world, work, megatron=False, reduction="none"):
         held_by["megatron"] = max(held.forward, held.backward)
         return
     assert held.kept == c["kept"], (held, c)                         # exact
-    assert c["work"] <= held.forward < max(c["work"], c["merge"]) + a, (held, c)
+    top = max(c["work"], c["merge"]) + c["tokens"]  # work freed before the merge; besides: one temporary a token,
+    assert top <= held.forward < top + c["sent"] + 8 * N + 64, (held, c)  # the 3N sent (gloo may still hold it), scalars
     assert c["dlogits"] <= held.backward < c["dlogits"] + a, (held, c)
     # (fp32 work on more than half of a bf16 slice's rows is, at W=2, as many bytes as the full bf16 logits)
     if world > 1 and (2 * work <= N * V // world or dtype.itemsize >= 4):
@@ -635,6 +640,18 @@ def section_dtypes(rank, world, device):
     loss, _, _ = check_loss(vocab_parallel_cross_entropy, z, torch.full_like(target, -100))  # the default: mean
     assert loss.isnan()
     log("every token ignored: the mean is nan and the gradient 0, as F.cross_entropy's")
+    one = vocab_parallel_cross_entropy(z[0, 0, slice(*vocab_range(V))], target[0, 0], reduction="none")
+    torch.testing.assert_close(one, F.cross_entropy(z[0, 0], target[0, 0], reduction="none"))  # shape () too
+    for fn in (vocab_parallel_cross_entropy, megatron_vocab_parallel_cross_entropy):
+        for option, said in ((dict(label_smoothing=1.5), "label_smoothing=1.5 must lie in [0, 1]"),
+                             (dict(reduction="avg"), "reduction='avg'; use 'none', 'mean' or 'sum'")):
+            with traffic() as sent:
+                try:
+                    fn(z[..., slice(*vocab_range(V))], target, **option)
+                    raise AssertionError(f"{option} should be refused")
+                except ValueError as e:
+                    assert str(e) == said, e
+            assert sent.calls == [], "checked on every rank alone, without a collective"
     first, said = divmod(int(ignored.view(-1).nonzero()[0]), T), None  # where the bad targets start: (0, 2)
     for fn, bad, also in ((vocab_parallel_cross_entropy, -1, " or ignore_index=-100"),
                           (vocab_parallel_cross_entropy, V, " or ignore_index=-100"),
