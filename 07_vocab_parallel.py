@@ -465,6 +465,9 @@ def check_regions(group, device):
     x = torch.randn(D, N, device=device, dtype=torch.float64)       # the same on every rank
     y = reduce_from_tensor_model_parallel_region(x.t() * (r + 1), group)  # (N, D), not contiguous
     torch.testing.assert_close(y, x.t() * (w * (w + 1) / 2))          # sum over ranks of (r + 1) * x
+    mine = x * (r + 1)
+    reduce_from_tensor_model_parallel_region(mine, group)             # contiguous: all-reduced in a copy
+    assert torch.equal(mine, x * (r + 1)), "g modified the caller's tensor"
     leaf = x.clone().requires_grad_()
     copy_to_tensor_model_parallel_region(leaf, group).t().backward((x.t() * (r + 1)).contiguous())
     torch.testing.assert_close(leaf.grad, x * (w * (w + 1) / 2))
@@ -582,8 +585,8 @@ held_by = {}  # the last peak each form held, for the log
 def loss_bytes(dtype, world, work, reduction="none"):
     """Closed forms, in bytes, of what vocab_parallel_cross_entropy holds on (T, B, V/W) logits of `dtype` besides
     them, taking `work` elements at a time: one slice A = N x V/W in the compute dtype (fp32 at least); forward's
-    work buffer, then the merge: the 3N x W numbers gathered and three (W, N) temporaries, either beside forward's
-    per-token numbers (m, s, c in the compute dtype, the local target and the owner in int64, two flags); kept for backward, per
+    work buffer, then the merge: the 3N x W numbers gathered and three (W, N) temporaries, either one beside the
+    per-token numbers (m, s, c in the compute dtype, local target and owner in int64, two flags); kept for backward, per
     token the log-sum-exp, the local target (int64) and two flags; backward's dlogits (N x V/W in dtype) and,
     where dtype is narrower than fp32, the work buffer. "mean" also keeps its divisor (one int64)."""
     b, cb = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
@@ -605,8 +608,8 @@ def assert_held(held, dtype, world, work, megatron=False, reduction="none"):
         held_by["megatron"] = max(held.forward, held.backward)
         return
     assert held.kept == c["kept"], (held, c)                         # exact
-    top = max(c["work"], c["merge"]) + c["tokens"]  # work freed before the merge; besides: one temporary a token,
-    assert top <= held.forward < top + c["sent"] + 8 * N + 64, (held, c)  # the 3N sent (gloo may still hold it), scalars
+    top = max(c["work"], c["merge"]) + c["tokens"]  # work freed before the merge. Besides: the 3N sent (gloo's
+    assert top <= held.forward < top + c["sent"] + 8 * N + 64, (held, c)  # thread may hold it), a temporary, scalars
     assert c["dlogits"] <= held.backward < c["dlogits"] + a, (held, c)
     # (fp32 work on more than half of a bf16 slice's rows is, at W=2, as many bytes as the full bf16 logits)
     if world > 1 and (2 * work <= N * V // world or dtype.itemsize >= 4):
@@ -643,11 +646,14 @@ def section_dtypes(rank, world, device):
     one = vocab_parallel_cross_entropy(z[0, 0, slice(*vocab_range(V))], target[0, 0], reduction="none")
     torch.testing.assert_close(one, F.cross_entropy(z[0, 0], target[0, 0], reduction="none"))  # shape () too
     for fn in (vocab_parallel_cross_entropy, megatron_vocab_parallel_cross_entropy):
+        shape = f"target must hold class indices of shape {(B, T)} (the logits' shape without the vocab dimension)"
         for option, said in ((dict(label_smoothing=1.5), "label_smoothing=1.5 must lie in [0, 1]"),
-                             (dict(reduction="avg"), "reduction='avg'; use 'none', 'mean' or 'sum'")):
+                             (dict(reduction="avg"), "reduction='avg'; use 'none', 'mean' or 'sum'"),
+                             (dict(target=target.t()), f"{shape}; got torch.int64 {(T, B)}"),
+                             (dict(target=target.double()), f"{shape}; got torch.float64 {(B, T)}")):
             with traffic() as sent:
                 try:
-                    fn(z[..., slice(*vocab_range(V))], target, **option)
+                    fn(z[..., slice(*vocab_range(V))], **{"target": target, **option})
                     raise AssertionError(f"{option} should be refused")
                 except ValueError as e:
                     assert str(e) == said, e
