@@ -412,6 +412,19 @@ def show_grid(grid, world):
     if "embedding" in mine:
         assert [coords(r) for r in mine["embedding"]] == [(grid.d, p, grid.t) for p in ends], mine["embedding"]
     log("each rank: one group of each kind, varying one coordinate; embedding: first + last stage, none in the middle")
+    bad = [(lambda: Grid(grid.dp_size + 1, grid.pp_size, grid.tp_size),
+            f"grid dp={grid.dp_size + 1} x pp={grid.pp_size} x tp={grid.tp_size} = {world + world // grid.dp_size} "
+            f"ranks, but the world has {world}")]
+    if grid.pp_size > 1:                                              # (fitting grids' pp divide LAYERS)
+        bad.append((lambda: GPTStage(GPT(VOCAB, HIDDEN, HEADS, FFN, LAYERS + 1), grid),
+                    f"{LAYERS + 1} layers do not split evenly over {grid.pp_size} pipeline stages"))
+    for make, said in bad:                                           # refused before any group is made
+        try:
+            make()
+            raise AssertionError(f"should be refused: {said}")
+        except ValueError as e:
+            assert str(e) == said, e
+    log(f"refused: {'; '.join(said for _, said in bad)}")
 
 
 def train(grid, device, zero):

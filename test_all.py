@@ -831,7 +831,7 @@ def test_10_middle_stages_and_zero3(world, env, shown):
 
 
 @pytest.mark.parametrize("env, named", [
-    ({"SCALE": "tp=0"}, "tp=0"), ({"SCALE": "pp=0"}, "pp=0"), ({"SCALE": "bucket=0"}, "bucket=0"),
+    ({"SCALE": "tp=0"}, "tp=0"), ({"SCALE": "pp=0"}, "pp=0"), ({"SCALE": "pp=3"}, "pp=3"), ({"SCALE": "bucket=0"}, "bucket=0"),
     ({"SCALE": "m=0"}, "m=0"), ({"SCALE": "hidden=4096.7"}, "hidden=4096.7"), ({"SCALE": "tp=3"}, "tp=3"),
     ({"SCALE": "hidden=4096 layers=32 ... tp=8 pp=4 dp=8"}, "'...'"), ({"GRID": "-2x-1x1"}, "GRID='-2x-1x1'"),
     ({"ZERO": "4"}, "ZERO='4'")])
