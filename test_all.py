@@ -706,6 +706,47 @@ def test_ring_bytes_are_nccl_tests_bus_factors():
             assert abs(common.ring_bytes(op, 4096, n) - 4096 * factor(n)) < 1e-9, (op, n)
 
 
+@pytest.mark.timeout(60)
+def test_memory_meter_held_bytes_kept_for_backward_and_replays():
+    """common's checking tools in one process, on tensors whose bytes are known: held_bytes counts a storage once
+    (views too) and a resized-to-0 one as 0; memory() counts what is allocated inside and still held, not an
+    in-place op on an older tensor, its peak, reset() and track() of a storage that grows; kept_for_backward leaves
+    parameters out and adds `inputs`; replays finds a deadlock and matches tags."""
+    sys.path.insert(0, str(HERE))
+    import common
+    import torch
+    import torch.nn.functional as F
+    x = torch.zeros(10)                                              # 40 B
+    assert common.held_bytes([x, x[2:], x.view(2, 5), torch.zeros(3, dtype=torch.float64)]) == 40 + 24
+    gone = torch.zeros(4)
+    gone.untyped_storage().resize_(0)
+    assert common.held_bytes([gone, x]) == 40
+    with common.memory() as m:
+        a = torch.ones(25)                                           # 100 B
+        x.add_(1)                                                    # in place on an older storage: not counted
+        assert m.live() == m.peak == 100, (m.live(), m.peak)
+        b = torch.ones(50)                                           # 200 B, then freed
+        del b
+        assert m.live() == 100 and m.peak == 300, (m.live(), m.peak)
+        m.reset()
+        assert m.peak == 100, m.peak
+        gone.untyped_storage().resize_(0)
+        m.track([gone])
+        gone.untyped_storage().resize_(16)                           # as ZeRO-3 gathers a freed parameter
+        m.track([gone])
+        assert m.live() == m.peak == 116, (m.live(), m.peak)
+    del a
+    w, x = torch.ones(3, 4, requires_grad=True), torch.ones(5, 4, requires_grad=True)
+    _, kept = common.kept_for_backward(lambda: F.linear(x, w), [w])  # saves x and w: w is a parameter
+    assert kept == x.nbytes, kept
+    _, kept = common.kept_for_backward(lambda: w * 2, [], inputs=(x,))  # saves nothing; x counted as asked
+    assert kept == x.nbytes, kept
+    assert common.replays([[("send", 1, "a"), ("send", 1, "b")], [("recv", 0, "a"), ("recv", 0, "b")]])
+    assert not common.replays([[("send", 1, "a")], [("recv", 0, "b")]])        # tags differ
+    assert not common.replays([[("send", 1), ("recv", 1)], [("send", 0), ("recv", 0)]])  # both send first
+    assert not common.replays([[("send", 1)], [("recv", 0)], [("send", 0)]])  # rank 2's send never received
+
+
 def test_two_stuck_ranks_are_both_named(tmp_path):
     """A rank that never arrives is named by the others (monitored_barrier), within the timeout, not a hang; and the
     barrier at the end waits for every rank it can, naming all that never came, not only the first."""
