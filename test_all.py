@@ -446,6 +446,13 @@ def test_bad_pg_timeout_is_one_line_on_every_rank(value):
     assert all(len(e.strip().splitlines()) == 1 and "PG_TIMEOUT" in e for e in run_.errs), run_.report()
 
 
+def test_bad_backend_is_one_line_on_every_rank():
+    _has_lessons()
+    run_ = launch(LESSONS[0], 2, extra_env={"BACKEND": "mpi"}, real_exit=False)
+    assert run_.codes == [2, 2] and run_.seconds < 10, run_.report()
+    assert all(len(e.strip().splitlines()) == 1 and "BACKEND='mpi'" in e for e in run_.errs), run_.report()
+
+
 def test_empty_settings_mean_the_defaults():
     _has_lessons()
     check_passed(launch(LESSONS[0], 2, extra_env={"BACKEND": "", "PG_TIMEOUT": ""}, real_exit=False))
