@@ -561,6 +561,22 @@ def test_refusal_under_torchrun_is_said_by_every_rank():
 
 
 @pytest.mark.slow
+def test_a_late_rank_still_says_its_refusal(tmp_path):
+    """refuse() after setup() on the first rank waits for a rank that comes 3 s later, so torchrun does not kill it
+    unheard."""
+    probe = _script(tmp_path, """
+        import os, time
+        import common
+        common.setup()                                                # a refusal after the group exists
+        if os.environ["RANK"] == "1":
+            time.sleep(3)
+        common.refuse("a probe that refuses")
+    """)
+    [(code, out)] = _run_cmd([_torchrun() + ["--nproc-per-node=2", "--standalone", probe]], timeout=60)
+    assert code != 0 and {int(r) for r in REFUSED.findall(out)} == {0, 1}, out
+
+
+@pytest.mark.slow
 def test_two_nodes_with_sub_groups():
     """Two torchrun agents (2 nodes x 2 processes) meet through c10d rendezvous and run a lesson with sub-groups.
 
