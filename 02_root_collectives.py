@@ -170,7 +170,7 @@ def reduce_binomial(x, dst=0, group=None):
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, log, log_all, replays, setup, strided_groups, traffic
+    from common import finish, head, log, log_all, pg_timeout, replays, setup, strided_groups, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -185,7 +185,7 @@ def cases(W):
     world = list(range(W))
     out = [(None, world, 0)] + ([(None, world, W - 1)] if W > 1 else [])
     out += [(group, r, r[-1]) for group, r in strided_groups(2)]
-    out += [(dist.new_group(world[:-1]), world[:-1], W - 2)] if W >= 4 else []
+    out += [(dist.new_group(world[:-1], timeout=pg_timeout()), world[:-1], W - 2)] if W >= 4 else []
     return out
 
 

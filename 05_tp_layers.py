@@ -430,21 +430,22 @@ class ParallelSelfAttention(nn.Module):
         return self.proj(o.permute(2, 0, 1, 3).reshape(s, b, -1))                         # [s, b, h]
 
 
-def tp_dp_groups(tp: int):
+def tp_dp_groups(tp: int, timeout=None):
     """This rank's (tp_group, dp_group) in a DP x TP grid, TP fastest: rank = dp_rank * tp + tp_rank (the groups
-    torch's init_device_mesh(device_type, (dp, tp)) builds). Every rank creates every group, in the same order."""
+    torch's init_device_mesh(device_type, (dp, tp)) builds). Every rank creates every group, in the same order.
+    timeout: the groups' (None: torch's default, 30 min on gloo; pass the world's, as Megatron does)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % tp:
         raise ValueError(f"world size {world} is not divisible by the tensor-parallel size {tp}")
-    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(world // tp)]
-    dp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp)), timeout=timeout) for d in range(world // tp)]
+    dp_groups = [dist.new_group(list(range(t, world, tp)), timeout=timeout) for t in range(tp)]
     return tp_groups[rank // tp], dp_groups[rank % tp]
 
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import (finish, head, kept_for_backward, launched_world_size, log, log_all, refuse, ring_bytes,
-                        setup, strided_groups, traffic)
+    from common import (finish, head, kept_for_backward, launched_world_size, log, log_all, pg_timeout, refuse,
+                        ring_bytes, setup, strided_groups, traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -826,7 +827,7 @@ def tp_dp_grid(device):
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = world // 2 if world >= 4 else world
     dp, dp_rank = world // tp, rank // tp
-    tp_group, dp_group = tp_dp_groups(tp)
+    tp_group, dp_group = tp_dp_groups(tp, timeout=pg_timeout())
     log(f"{world} ranks -> TP {tp} x DP {dp}: a TP group is consecutive ranks (one node), a DP group strided")
     members_ = [members(g) for g in (tp_group, dp_group)]
     assert members_ == [[dp_rank * tp + t for t in range(tp)], [d * tp + rank % tp for d in range(dp)]], members_

@@ -377,7 +377,7 @@ def megatron_vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0, g
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, launched_world_size, log, log_all, memory, refuse, setup, traffic
+    from common import finish, head, launched_world_size, log, log_all, memory, refuse, setup, strided_groups, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 import os
@@ -676,9 +676,7 @@ def section_dtypes(rank, world, device):
 
 def section_subgroups(rank, world, device):
     head("4. every block on a sub-group whose group rank is not the global rank")
-    all_ranks = [list(range(start, world, 2)) for start in range(min(2, world))]  # {0, 2, ..} and {1, 3, ..}
-    groups = [dist.new_group(r) for r in all_ranks]                   # every rank makes every group, in order
-    group = next(g for g, r in zip(groups, all_ranks) if rank in r)
+    group, _ = strided_groups(2)[rank % 2]                            # {0, 2, ..} and {1, 3, ..}
     lo, hi, _ = check_embedding(group, device)
     check_embedding(group, device, sequence_parallel=True)
     z = torch.randn(B, T, V, device=device, dtype=torch.float64)

@@ -513,7 +513,7 @@ def stage_layers(blocks: nn.Sequential, num_stages, stage, num_chunks=1):
 import contextlib
 
 try:
-    from common import finish, head, held_bytes, log, memory, replays, setup, strided_groups, traffic
+    from common import finish, head, held_bytes, log, memory, pg_timeout, replays, setup, strided_groups, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -910,7 +910,7 @@ def two_stage_trick(full, device, world):
     if world == 1:
         return
     pair = [world - 2, world - 1]
-    pp, second = dist.new_group(pair), dist.new_group(pair)   # every rank creates every group
+    pp, second = (dist.new_group(pair, timeout=pg_timeout()) for _ in "12")   # every rank creates every group
     runs = [(schedule_1f1b, False, [ROWS] * 3), (schedule_interleaved_1f1b, False, [ROWS] * 4)]
     for (fn, _, _), stages in zip(runs, check_pipeline(full, device, runs, group=pp, second_group=second)):
         for s, r in enumerate(stages):               # sends from the odd stage, receives on the even one: group 1

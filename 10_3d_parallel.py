@@ -63,9 +63,9 @@ class Grid:
     """dp x pp x tp process groups, tp fastest: rank = (d * pp + p) * tp + t. Every rank creates every group, in
     the same order (dist.new_group's rule). self.tp / .pp / .dp / .embedding: this rank's groups (a middle stage
     is in no embedding group: None); self.ranks: {kind: [global ranks of each group]}; self.d, .p, .t: this
-    rank's coordinates (replica, stage, TP rank)."""
+    rank's coordinates (replica, stage, TP rank). timeout: the groups' (None: torch's default, 30 min on gloo)."""
 
-    def __init__(self, dp, pp, tp):
+    def __init__(self, dp, pp, tp, timeout=None):
         world, rank = dist.get_world_size(), dist.get_rank()
         if dp * pp * tp != world:
             raise ValueError(f"grid dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but the world has {world}")
@@ -78,7 +78,7 @@ class Grid:
                       "dp": [[at(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
                       "embedding": [sorted({ranks[0], ranks[-1]}) for ranks in pipes]}  # first + last stage
         for kind, groups in self.ranks.items():
-            made = [dist.new_group(ranks) for ranks in groups]
+            made = [dist.new_group(ranks, timeout=timeout) for ranks in groups]
             setattr(self, kind, next((g for g, ranks in zip(made, groups) if rank in ranks), None))
         self.is_first, self.is_last = self.p == 0, self.p == pp - 1
 
@@ -286,7 +286,8 @@ def stage_numel(c, stage):
 import math
 
 try:
-    from common import finish, head, held_bytes, launched_world_size, log, refuse, ring_bytes, setup, traffic
+    from common import (finish, head, held_bytes, launched_world_size, log, pg_timeout, refuse, ring_bytes, setup,
+                        traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -537,7 +538,7 @@ class SPMLPBlock(nn.Module):
 def compose(world, device):
     """06's SP MLP block inside 09's DDP, ZeRO-2 and ZeRO-3 on a tp x dp grid: 3 AdamW steps == one process."""
     tp = 2 if world % 2 == 0 else 1
-    grid = Grid(world // tp, 1, tp)
+    grid = Grid(world // tp, 1, tp, timeout=pg_timeout())
     head(f"06's SP MLP block in 09's DDP, ZeRO-2, ZeRO-3 on tp {tp} x dp {grid.dp_size}: 3 AdamW steps, 1 process")
     s, b, h, f = 4 * tp, 2 * grid.dp_size, 8, 16
     # eps 1 (gradients here are O(1)): the update is continuous in the gradient, so bf16's rounding moves it as
@@ -726,7 +727,7 @@ def main():
     if why or bad_zero or bad:
         refuse(why or bad_zero or bad)
     rank, world, device = setup()
-    grid = Grid(*shape)
+    grid = Grid(*shape, timeout=pg_timeout())
     show_grid(grid, world)
     compose(world, device)
     counted, stage, model, held = train(grid, device, zero)

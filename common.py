@@ -126,6 +126,12 @@ def setup(seed: int = 0):
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def pg_timeout() -> datetime.timedelta:
+    """PG_TIMEOUT (default 30 s), which setup() gave the world group: pass it to every group a demo makes, as
+    dist.new_group(ranks, timeout=pg_timeout()). Left out, a new group waits torch's default (30 min on gloo)."""
+    return _timeout
+
+
 def wait_all(group=None):
     """Block until every rank of `group` arrives. On gloo a monitored barrier: a rank that never comes is named
     in the error (a plain barrier would only time out)."""
@@ -227,7 +233,7 @@ def strided_groups(stride: int = 2):
     rank is not the global rank ({0, 2} and {1, 3} at W = 4), so a block that confuses the two fails."""
     W = dist.get_world_size()
     ranks = [list(range(p, W, stride)) for p in range(min(W, stride))]
-    return [(dist.new_group(r), r) for r in ranks]
+    return [(dist.new_group(r, timeout=_timeout), r) for r in ranks]
 
 
 def replays(schedules) -> bool:

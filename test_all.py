@@ -787,6 +787,23 @@ def test_two_stuck_ranks_are_both_named(tmp_path):
     assert re.search(r"Ranks 1, 3 failed to pass monitoredBarrier", run_.errs[0]), run_.report()
 
 
+def test_a_sub_group_times_out_like_the_world(tmp_path):
+    """A collective on a group a demo makes (common.strided_groups, or new_group with common.pg_timeout()) that a
+    rank never joins fails within PG_TIMEOUT, as on the world group; dist.new_group's own default is 30 min."""
+    probe = _script(tmp_path, """
+        import time, torch, torch.distributed as dist
+        from common import setup, strided_groups
+        rank, world, device = setup()
+        [(group, ranks)] = strided_groups(1)               # every rank, in a group of its own making
+        if rank == 1:
+            time.sleep(30)
+        dist.all_reduce(torch.ones(1), group=group)
+    """)
+    run_ = launch(probe, 2, extra_env={"PG_TIMEOUT": "1"}, deadline=60, real_exit=False, grace=1)
+    assert not run_.timed_out and run_.codes[0] == 1 and run_.seconds < 15, run_.report()
+    assert re.search(r"[Tt]imed out", run_.errs[0]), run_.report()
+
+
 def test_bad_nproc_is_one_line(tmp_path):
     """`python FILE` with an NPROC that is not a number of processes >= 1: one line naming it, exit 2, no torchrun
     (empty means the default, 4, as for BACKEND and PG_TIMEOUT). Run in one forked process, torchrun's variables
