@@ -35,8 +35,9 @@ Bytes each rank HOLDS at its peak, P parameters a rank: parameters P*ep (ZeRO-3:
 (added up over the micro-batches under no_sync) + P/dp*eg reduced; AdamW 2P/dp*eg (+4P/dp fp32 master copy for
 narrower parameters); activations: stage p keeps min(pp - p, m) micro-batches' saved tensors.
 The demo first checks a joint: 06's SP MLP block in 09's DDP, ZeRO-2 and ZeRO-3 on tp x dp (fp64, fp32, bf16) ==
-one process. Then it trains the GPT, counts one step's collectives per group (common.traffic) and the bytes held
-(held_bytes, saved tensors alive), asserts these forms, and step_traffic and step_memory evaluate them at scale.
+one process. Then it trains the GPT, counts one step's collectives per group (common.traffic; again in bf16, where
+e, eg and ep differ) and the bytes held (held_bytes, saved tensors alive), asserts these forms, and step_traffic
+and step_memory evaluate them at scale.
 
     torchrun --nproc-per-node=8 10_3d_parallel.py     (1-4 ranks too; GRID=dpxppxtp, e.g. GRID=1x4x2; ZERO=3)
     torchrun --nproc-per-node=1 10_3d_parallel.py hidden=8192 ffn=28672 layers=80 tp=8 pp=8 dp=16 m=16  (70B)
@@ -655,6 +656,28 @@ def count_traffic(counted, grid, zero):
         + ("; middle stages: no tied-weight all-reduce" if grid.pp_size > 2 else ""))
 
 
+def count_traffic_mixed(grid, device, zero):
+    """Two steps of the same GPT in bf16 (09's fp32 gradients and master), the second's traffic against the closed
+    forms with each dtype its own (float64 gives every term 8 bytes): activations e = 2, the loss's statistics
+    fp32, gradients eg = 4, parameters ep = 2."""
+    torch.manual_seed(0)
+    stage = GPTStage(GPT(VOCAB, HIDDEN, HEADS, FFN, LAYERS, dtype=torch.bfloat16).to(device), grid)
+    model = data_parallel(stage, grid, BUCKET, zero, **HYPER)
+    comm = pipeline.P2PCommunicator((SEQ // grid.tp_size, MICRO, HIDDEN), torch.bfloat16, device, grid.pp)
+    rows = slice(grid.d * M * MICRO, (grid.d + 1) * M * MICRO)
+    for step in range(2):
+        ids, targets = (t[rows].split(MICRO) for t in batch(step, grid.dp_size, device))
+        with traffic() if step else contextlib.nullcontext() as t:
+            train_step(stage, model, comm, list(ids), list(targets))
+    model.full_parameters()                                           # ZeRO-2's last all-gather, waited for
+    got = tally(t.calls, grid)
+    want = step_traffic({**toy_config(grid, zero), "e": 2, "eg": 4, "ep": 2}, grid.p)
+    assert got.keys() == want.keys() and all(got[k][0] == want[k][0] and
+                                             math.isclose(got[k][1], want[k][1], rel_tol=1e-12) for k in want), \
+        (dist.get_rank(), sorted(got.items()), sorted(want.items()))
+    log("bf16 (fp32 gradients and master): one step's calls and bytes == the closed forms with e = 2, eg = 4, ep = 2")
+
+
 def count_memory(held, model, grid, zero):
     head(f"bytes each rank holds at its peak (ZeRO-{zero}, float64), measured against the closed forms")
     c = toy_config(grid, zero)
@@ -732,6 +755,7 @@ def main():
     compose(world, device)
     counted, stage, model, held = train(grid, device, zero)
     count_traffic(counted, grid, zero)
+    count_traffic_mixed(grid, device, zero)
     count_memory(held, model, grid, zero)
     scale(overrides, zero)
     finish(f"a GPT on dp {grid.dp_size} x pp {grid.pp_size} x tp {grid.tp_size} (SP, vocab-parallel, 1F1B, "
