@@ -53,6 +53,14 @@ def _script():
     return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "lesson.py"
 
 
+def _say(text: str, stream=None):
+    """text and its newline in one write: under torchrun the ranks share one stream, and print() writes the
+    newline apart (with PYTHONUNBUFFERED, a write each), so another rank's line could land in between."""
+    stream = stream or sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
+
+
 def refuse(why: str):
     """Print one line saying why this run cannot go on, wait until every rank has said it, exit with code 2.
 
@@ -61,8 +69,7 @@ def refuse(why: str):
     exists yet (refusals come before setup(), and NCCL may be what is being refused).
     """
     rank = os.environ.get("RANK", "?")
-    sys.stderr.write(f"[R{rank}] {_script()} refuses to run: {why}\n")  # one write: ranks' lines never interleave
-    sys.stderr.flush()
+    _say(f"[R{rank}] {_script()} refuses to run: {why}", sys.stderr)
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=_timeout)
     teardown()
@@ -168,13 +175,13 @@ def finish(summary: str):
 def log(msg: str = ""):
     """Rank 0 prints one line."""
     if dist.get_rank() == 0:
-        print(f"[R0] {msg}", flush=True)
+        _say(f"[R0] {msg}")
 
 
 def head(title: str):
     """Rank 0 prints a section heading; under TRACE every rank's trace gets a range named `title` until the next."""
     if dist.get_rank() == 0:
-        print(f"\n== {title}", flush=True)
+        _say(f"\n== {title}")
     if _trace is not None:
         if _trace["section"] is not None:
             _trace["section"].__exit__(None, None, None)
@@ -187,7 +194,7 @@ def log_all(msg: str, group=None):
     lines = [None] * dist.get_world_size(group)
     dist.all_gather_object(lines, f"[R{dist.get_rank()}] {msg}", group=group)
     if dist.get_rank() == dist.get_global_rank(group or dist.group.WORLD, 0):
-        print("\n".join(lines), flush=True)
+        _say("\n".join(lines))
 
 
 def sync(device: torch.device):
