@@ -24,6 +24,7 @@ import functools
 import glob
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -52,9 +53,23 @@ os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it; inherited by the zyg
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for rank 0's store, drawn below the kernel's ephemeral range: a port that bind(0) hands out
+    (and closes) can go to any connection made before rank 0 binds it, and launches side by side make many."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - 10000), low) if low > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 # ---- NCCL's contract, checked on the CPU ------------------------------------------------------------------
