@@ -28,7 +28,8 @@ The column layer keeps only X_r for backward and all-gathers it again there: its
 Bytes each rank sends per block, for activations of V = batch * seq * hidden * bytes: a ring all-reduce of
 2 (p-1)/p * V forward (g) and the same backward (f); 4 all-reduces per transformer layer (MLP + attention).
 With SP, an all-gather (p-1)/p * V and a reduce-scatter (p-1)/p * V each way (the same 2 (p-1)/p * V), and in
-backward one all-gather more, (p-1)/p * V, the price of keeping X_r only. scatter sends nothing.
+backward one all-gather more, (p-1)/p * V, the price of keeping X_r only; the column layer also all-gathers
+a 64-B header a call: every rank's X_r must have one shape (check_slices=False skips it). scatter sends nothing.
 Parameters: each rank holds 1/p of every weight and column bias; the row layer's bias is whole on every rank
 (with SP its gradient is a partial sum over the ranks' parts of s: allreduce_sequence_parallel_grads sums it).
 In training, TP groups are ranks on one node (the heaviest traffic), nested in a data-parallel grid:
