@@ -539,8 +539,8 @@ TORCHRUN_LESSONS = [f for f in LESSONS if f.startswith("09_")]  # buckets, hooks
 @pytest.mark.parametrize("script", TORCHRUN_LESSONS)
 def test_torchrun(script):
     """A lesson under the real torchrun (2 processes, for the suite's time): fresh processes, with imports,
-    warnings and exits as a user sees them. For the suite's time one lesson here; the 2-node test runs 05, `python FILE` 01, the refusal
-    04, and `TORCHRUN_ALL=1` runs every other lesson too."""
+    warnings and exits as a user sees them. For the suite's time one lesson here; the 2-node test runs 05,
+    `python FILE` 01, the refusal 04, and `TORCHRUN_ALL=1` runs every other lesson too."""
     [(code, out)] = _run_cmd([_torchrun() + ["--nproc-per-node=2", "--standalone", script]])
     _check_torchrun(code, out)
 
@@ -927,7 +927,8 @@ def test_10_middle_stages_and_zero3(world, env, shown):
 
 
 @pytest.mark.parametrize("env, named", [
-    ({"SCALE": "tp=0"}, "tp=0"), ({"SCALE": "pp=0"}, "pp=0"), ({"SCALE": "pp=3"}, "pp=3"), ({"SCALE": "bucket=0"}, "bucket=0"),
+    ({"SCALE": "tp=0"}, "tp=0"), ({"SCALE": "pp=0"}, "pp=0"), ({"SCALE": "pp=3"}, "pp=3"),
+    ({"SCALE": "bucket=0"}, "bucket=0"),
     ({"SCALE": "m=0"}, "m=0"), ({"SCALE": "hidden=4096.7"}, "hidden=4096.7"), ({"SCALE": "tp=3"}, "tp=3"),
     ({"SCALE": "hidden=4096 layers=32 ... tp=8 pp=4 dp=8"}, "'...'"), ({"GRID": "-2x-1x1"}, "GRID='-2x-1x1'"),
     ({"ZERO": "4"}, "ZERO='4'")])
