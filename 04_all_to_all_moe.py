@@ -385,27 +385,31 @@ def section_refusals(W, device):
     head("7. misuse is refused on every rank with one ValueError, before any message")
     z = lambda *shape, dtype=F64: torch.zeros(shape, dtype=dtype, device=device)
     x, x_odd, idx, gates, ids = z(2 * W, H), z(2 * W + 1, H), z(N, 2, dtype=torch.long), z(N, 2), [nn.Identity()]
-    bad = {"a split list of W+1 sizes": lambda: all_to_all(x, [2] * W + [0], [2] * W + [0]),
-           "a negative split": lambda: all_to_all(x, [-1] + [2] * (W - 1), [2] * W),
-           "input splits not summing to x's rows": lambda: all_to_all(x_odd, [2] * W, [2] * W),
-           "one split list of two": lambda: all_to_all(x, None, [2] * W),
-           "E/W + 1 local experts": lambda: moe_all_to_all(x[:N], idx, gates, ids * (E // W + 1), E),
-           "gates [N, 1] for expert_idx [N, 2]": lambda: moe_all_to_all(z(N, H), idx, gates[:, :1], ids * (E // W), E),
-           "routing for N-1 tokens": lambda: moe_all_to_all(z(N, H), idx[1:], gates[1:], ids * (E // W), E),
-           "k=0": lambda: ExpertParallelMoE(H, FFN, E, k=0),
-           f"k={E + 1}": lambda: ExpertParallelMoE(H, FFN, E, k=E + 1),
-           "capacity factor 0": lambda: ExpertParallelMoE(H, FFN, E, capacity_factor=0)}
+    bad = {"a split list of W+1 sizes": ("input_split_sizes=", lambda: all_to_all(x, [2] * W + [0], [2] * W + [0])),
+           "a negative split": ("output_split_sizes=", lambda: all_to_all(x, [-1] + [2] * (W - 1), [2] * W)),
+           "input splits not summing to x's rows": ("input_split_sizes=", lambda: all_to_all(x_odd, [2] * W, [2] * W)),
+           "one split list of two": ("pass both", lambda: all_to_all(x, None, [2] * W)),
+           "E/W + 1 local experts": ("num_experts=", lambda: moe_all_to_all(x[:N], idx, gates, ids * (E // W + 1), E)),
+           "gates [N, 1] for expert_idx [N, 2]":
+               ("expert_idx ", lambda: moe_all_to_all(z(N, H), idx, gates[:, :1], ids * (E // W), E)),
+           "routing for N-1 tokens":
+               ("expert_idx ", lambda: moe_all_to_all(z(N, H), idx[1:], gates[1:], ids * (E // W), E)),
+           "k=0": ("k=0 ", lambda: ExpertParallelMoE(H, FFN, E, k=0)),
+           f"k={E + 1}": (f"k={E + 1} ", lambda: ExpertParallelMoE(H, FFN, E, k=E + 1)),
+           "capacity factor 0": ("capacity_factor=0 ", lambda: ExpertParallelMoE(H, FFN, E, capacity_factor=0))}
     if W > 1:                                           # sizes that only W > 1 cannot divide
-        bad.update({"2W+1 rows in equal blocks": lambda: all_to_all(x_odd),
-                    "2W+1 experts to moe_all_to_all": lambda: moe_all_to_all(z(N, H), idx, gates, ids * 2, 2 * W + 1),
-                    "2W+1 experts to the layer": lambda: ExpertParallelMoE(H, FFN, 2 * W + 1)})
-    for what, call in bad.items():
+        bad.update({"2W+1 rows in equal blocks": (f"x has {2 * W + 1} rows", lambda: all_to_all(x_odd)),
+                    "2W+1 experts to moe_all_to_all":
+                        (f"num_experts={2 * W + 1} ", lambda: moe_all_to_all(z(N, H), idx, gates, ids * 2, 2 * W + 1)),
+                    "2W+1 experts to the layer":
+                        (f"num_experts={2 * W + 1} ", lambda: ExpertParallelMoE(H, FFN, 2 * W + 1))})
+    for what, (says, call) in bad.items():             # each message starts with what was wrong
         with traffic() as t:
             try:
                 call()
                 raise AssertionError(f"{what}: accepted")
-            except ValueError:
-                assert not t.calls, (what, t.calls)
+            except ValueError as e:
+                assert str(e).startswith(says) and not t.calls, (what, str(e), t.calls)
     log(f"{len(bad)} misuses refused, nothing sent: split lists (count, sign, sum, only one), experts per rank, "
         f"routing shapes, k, capacity factor" + (", sizes W does not divide" if W > 1 else ""))
 
