@@ -446,7 +446,7 @@ def tp_dp_groups(tp: int, timeout=None):
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
     from common import (finish, head, kept_for_backward, launched_world_size, log, log_all, pg_timeout, refuse,
-                        ring_bytes, setup, strided_groups, traffic)
+                        refused, ring_bytes, setup, strided_groups, traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -614,12 +614,12 @@ def refusals(group):
                        (lambda: RowParallelLinear(world + 1, HIDDEN), f"in_features={world + 1}"),
                        (lambda: reduce_scatter_to_sequence_parallel_region(torch.zeros(world + 1, 1, 1)),
                         f"x.shape[{SEQ_DIM}]={world + 1}")):
-        try:
-            make()
-            assert world == 1, f"{name} was accepted"  # on one rank every size divides
-        except ValueError as e:
-            assert str(e) == f"{name} is not divisible by the group size {world}", e
-            log(f"refused: ValueError('{e}')")
+        if world == 1:
+            make()                                     # on one rank every size divides
+            continue
+        said = refused(make)
+        assert said == f"{name} is not divisible by the group size {world}", said
+        log(f"refused: ValueError('{said}')")
 
 
 def dense_blocks(seed, device, dtype=F64):

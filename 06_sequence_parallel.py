@@ -539,8 +539,8 @@ def ring_attention(q, k, v, is_causal: bool = False, group=None, *, fused: bool 
 import os
 
 try:
-    from common import (finish, head, kept_for_backward, launched_world_size, log, memory, refuse, replays,
-                        ring_bytes, setup, strided_groups, sync, time_overlap, traffic)
+    from common import (finish, head, kept_for_backward, launched_world_size, log, memory, refuse, refused,
+                        replays, ring_bytes, setup, strided_groups, sync, time_overlap, traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
@@ -852,17 +852,14 @@ def ulysses(groups, device):
                 f" 2/P of Megatron SP's {2 * (P - 1) * V // P} B")
     W = dist.get_world_size()
     for shape, dims, what in (((2, B, RING_HEADS, D), (2, 0), "heads"), ((W + 1, B, NH, D), (0, 2), "sequence")):
-        try:                                    # 5 heads (ring attention's) on Ulysses; a sequence slice of W + 1
-            all_to_all_4d(torch.zeros(shape, device=device), *dims)
-            assert W == 1, f"{shape} accepted"
-        except ValueError as err:
-            assert str(err) == f"{what}={shape[dims[0]]} is not divisible by the group size {W}", err
-            log(f"refused: ValueError: {err}")
-    try:
-        all_to_all_4d(torch.zeros(W, B, NH, D, device=device), 2, 2)
-        raise AssertionError("scatter_dim == gather_dim accepted")
-    except ValueError as err:
-        assert str(err).startswith("all_to_all_4d takes an [s, b, h, d] tensor and two different dims"), err
+        if W == 1:                              # 5 heads (ring attention's) on Ulysses; a sequence slice of W + 1
+            all_to_all_4d(torch.zeros(shape, device=device), *dims)   # on one rank every size divides
+            continue
+        said = refused(lambda: all_to_all_4d(torch.zeros(shape, device=device), *dims))
+        assert said == f"{what}={shape[dims[0]]} is not divisible by the group size {W}", said
+        log(f"refused: ValueError: {said}")
+    said = refused(lambda: all_to_all_4d(torch.zeros(W, B, NH, D, device=device), 2, 2))
+    assert said.startswith("all_to_all_4d takes an [s, b, h, d] tensor and two different dims"), said
     log(f"the same on sub-groups {members(groups[-1])}, ..")
 
 
@@ -888,12 +885,9 @@ def zigzag(groups, device):
             log(f"causal query-key pairs per rank: zig-zag {list(zig)}, contiguous {list(contiguous)}")
     P = dist.get_world_size()
     if P > 1:
-        try:
-            zigzag_shard(torch.zeros(S + P, device=device), 0)
-            raise AssertionError(f"length {S + P} accepted")
-        except ValueError as err:
-            assert str(err).startswith(f"sequence length={S + P} is not divisible by 2 x {P} ranks"), err
-            log(f"refused: ValueError: {err}")
+        said = refused(lambda: zigzag_shard(torch.zeros(S + P, device=device), 0))
+        assert said.startswith(f"sequence length={S + P} is not divisible by 2 x {P} ranks"), said
+        log(f"refused: ValueError: {said}")
     log(f"the same on sub-groups {members(groups[-1])}, ..")
 
 
@@ -1090,12 +1084,9 @@ def ring_bf16(qkv, dout, sdpa, device):
     log(f"bf16 in (each block's kernel in bf16; merging, dq and dK, dV sums in fp32): output, dq, dk, dv off float64 "
         f"SDPA by <= one-process bf16 SDPA's error + P bf16 roundings; here {worst:.2f} x SDPA's error at most")
     bad = torch.zeros(3, B, RING_HEADS, RING_D, device=device)
-    try:
-        ring_attention(bad, bad, bad)
-        raise AssertionError("3 rows a rank accepted")
-    except ValueError as err:
-        assert str(err).startswith(f"sequence length={3 * P} is not divisible by 2 x {P} ranks"), err
-        log(f"refused: ValueError: {err}")
+    said = refused(lambda: ring_attention(bad, bad, bad))                  # 3 rows a rank
+    assert said.startswith(f"sequence length={3 * P} is not divisible by 2 x {P} ranks"), said
+    log(f"refused: ValueError: {said}")
 
 
 def ring_overlap(device):

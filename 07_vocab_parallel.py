@@ -377,7 +377,8 @@ def megatron_vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0, g
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, launched_world_size, log, log_all, memory, refuse, setup, strided_groups, traffic
+    from common import (finish, head, launched_world_size, log, log_all, memory, refuse, refused, setup,
+                        strided_groups, traffic)
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 import os
@@ -537,13 +538,7 @@ def section_embedding(rank, world, device):
                      ("s=W+1", lambda: sp(torch.zeros(world + 1, 2, dtype=torch.long, device=device))),
                      ("one id under SP", lambda: sp(torch.tensor(3, device=device))),
                      ("padding_idx", lambda: VocabParallelEmbedding.from_dense(padded)))[2 * (world == 1):]:
-        with traffic() as sent:
-            try:
-                bad()
-                raise AssertionError(f"{why} should be refused")
-            except ValueError as e:
-                log(f"refused: {e}")
-        assert sent.calls == [], "refused before any work"
+        log(f"refused: {refused(bad)}")                               # before any work
 
 
 def section_loss(rank, world, device):
@@ -651,26 +646,15 @@ def section_dtypes(rank, world, device):
                              (dict(reduction="avg"), "reduction='avg'; use 'none', 'mean' or 'sum'"),
                              (dict(target=target.t()), f"{shape}; got torch.int64 {(T, B)}"),
                              (dict(target=target.double()), f"{shape}; got torch.float64 {(B, T)}")):
-            with traffic() as sent:
-                try:
-                    fn(z[..., slice(*vocab_range(V))], **{"target": target, **option})
-                    raise AssertionError(f"{option} should be refused")
-                except ValueError as e:
-                    assert str(e) == said, e
-            assert sent.calls == [], "checked on every rank alone, without a collective"
+            got = refused(lambda: fn(z[..., slice(*vocab_range(V))], **{"target": target, **option}))
+            assert got == said, (option, got)                         # on every rank alone, no collective
     first, said = divmod(int(ignored.view(-1).nonzero()[0]), T), None  # where the bad targets start: (0, 2)
     for fn, bad, also in ((vocab_parallel_cross_entropy, -1, " or ignore_index=-100"),
                           (vocab_parallel_cross_entropy, V, " or ignore_index=-100"),
                           (megatron_vocab_parallel_cross_entropy, -100, "")):  # Megatron's has no ignore_index
-        with traffic() as sent:
-            try:
-                fn(z[..., slice(*vocab_range(V))], target.masked_fill(ignored, bad))
-                raise AssertionError(f"target {bad} should be refused")
-            except ValueError as e:
-                assert str(e) == (f"target{list(first)}={bad} is not a class of the vocabulary: classes lie in "
-                                  f"[0, {V}){also}"), e
-                said = said if bad != V else str(e)
-        assert sent.calls == [], "checked on every rank alone, without a collective"
+        got = refused(lambda: fn(z[..., slice(*vocab_range(V))], target.masked_fill(ignored, bad)))
+        assert got == f"target{list(first)}={bad} is not a class of the vocabulary: classes lie in [0, {V}){also}", got
+        said = said if bad != V else got                              # on every rank alone, no collective
     log(f"refused on every rank, no collective sent: {said}")
 
 

@@ -403,6 +403,20 @@ def traffic():
     return Traffic()
 
 
+def refused(call, error=ValueError) -> str:
+    """call() must raise `error` with a one-line message before any collective or P2P call (a rank that sent
+    first would leave the others waiting for the rest); returns the message."""
+    with traffic() as t:
+        try:
+            call()
+        except error as e:
+            said = str(e)
+        else:
+            raise AssertionError(f"accepted, where {error.__name__} was expected")
+    assert "\n" not in said and not t.calls, (said, t.calls)
+    return said
+
+
 # ---- memory: the bytes this rank really holds ----------------------------------------------------------------
 def held_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one storage count once; a storage resized to 0,

@@ -785,6 +785,34 @@ def test_memory_meter_held_bytes_kept_for_backward_and_replays():
     assert not common.replays([[("send", 1)], [("recv", 0)], [("send", 0)]])  # rank 2's send never received
 
 
+@pytest.mark.timeout(60)
+def test_refused_wants_one_line_before_any_message():
+    """common.refused: the message of the error asked for; an accepted call, another error, a message of two lines
+    or a refusal that sent first all fail (the last on a 1-rank gloo group made in this process)."""
+    sys.path.insert(0, str(HERE))
+    import common
+    import torch
+    import torch.distributed as dist
+    assert common.refused(lambda: int("x")) == "invalid literal for int() with base 10: 'x'"
+    assert common.refused(lambda: [][0], IndexError) == "list index out of range"
+    def two_lines():
+        raise ValueError("one\ntwo")
+    for call in (lambda: None, two_lines):
+        with pytest.raises(AssertionError):
+            common.refused(call)
+    with pytest.raises(KeyError):
+        common.refused(lambda: {}["k"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def sends_then_refuses():
+            dist.all_reduce(torch.ones(1))
+            raise ValueError("too late")
+        with pytest.raises(AssertionError):
+            common.refused(sends_then_refuses)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_two_stuck_ranks_are_both_named(tmp_path):
     """A rank that never arrives is named by the others (monitored_barrier), within the timeout, not a hang; and the
     barrier at the end waits for every rank it can, naming all that never came, not only the first."""
