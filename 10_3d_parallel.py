@@ -630,12 +630,19 @@ def toy_config(grid, zero=2):
     return c
 
 
-def count_traffic(counted, grid, zero):
-    head("one step's collectives, counted per group, against the docstring's closed forms")
-    got, want = tally(counted.calls, grid), step_traffic(toy_config(grid, zero), grid.p)
+def traffic_is(calls, grid, c):
+    """The calls traffic() counted, tallied per (group kind, collective), == step_traffic(c) on this rank's stage:
+    the same keys, calls and bytes. Returns the tally."""
+    got, want = tally(calls, grid), step_traffic(c, grid.p)
     assert got.keys() == want.keys() and all(got[k][0] == want[k][0] and
                                              math.isclose(got[k][1], want[k][1], rel_tol=1e-12) for k in want), \
         (dist.get_rank(), sorted(got.items()), sorted(want.items()))
+    return got
+
+
+def count_traffic(counted, grid, zero):
+    head("one step's collectives, counted per group, against the docstring's closed forms")
+    got = traffic_is(counted.calls, grid, toy_config(grid, zero))
     middle = 0 < grid.p < grid.pp_size - 1                            # no tied weight: no embedding all-reduce,
     assert not middle or not any(kind not in ("tp", "pp", "dp") for kind, _ in got), got  # nor any other group
     everyone = [None] * dist.get_world_size()
@@ -666,11 +673,7 @@ def count_traffic_mixed(grid, device, zero):
         with traffic() if step else contextlib.nullcontext() as t:
             train_step(stage, model, comm, list(ids), list(targets))
     model.full_parameters()                                           # ZeRO-2's last all-gather, waited for
-    got = tally(t.calls, grid)
-    want = step_traffic({**toy_config(grid, zero), "e": 2, "eg": 4, "ep": 2}, grid.p)
-    assert got.keys() == want.keys() and all(got[k][0] == want[k][0] and
-                                             math.isclose(got[k][1], want[k][1], rel_tol=1e-12) for k in want), \
-        (dist.get_rank(), sorted(got.items()), sorted(want.items()))
+    traffic_is(t.calls, grid, {**toy_config(grid, zero), "e": 2, "eg": 4, "ep": 2})
     log("bf16 (fp32 gradients and master): one step's calls and bytes == the closed forms with e = 2, eg = 4, ep = 2")
 
 
