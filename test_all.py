@@ -405,6 +405,30 @@ def test_trace_of_09_shows_all_reduces_under_backward(tmp_path):
         assert under, f"rank {rank}: no backward op ran while an all-reduce was in flight"
 
 
+def test_trace_merge_puts_ranks_with_different_clocks_on_one_timeline():
+    """tools/trace.merge, in one process, on two ranks' traces whose profiler clocks started 2 ms apart (as on two
+    machines; on one machine the shift is always 0): rank 1's event at 5 us of its own clock lands at 2005 us of
+    rank 0's; each rank is one process row; flow ids stay apart; the main thread's lane is named."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_trace_probe", HERE / "tools" / "trace.py")
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    def one(base, pid):
+        return {"baseTimeNanoseconds": base, "traceEvents": [
+            {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": "python"}},
+            {"ph": "M", "pid": pid, "tid": pid, "name": "thread_name", "args": {"name": "python"}},
+            {"ph": "X", "pid": pid, "tid": pid, "ts": 5.0, "dur": 1.0, "name": "op"},
+            {"ph": "s", "pid": pid, "tid": pid, "ts": 5.0, "id": 7, "name": "flow"}]}
+    bases = [3_000_000, 1_000_000]                      # rank 0's clock started 2 ms after rank 1's
+    merged = [trace.merge(r, one(bases[r], 100 + r), bases, 100 + r) for r in (0, 1)]
+    for r, events in enumerate(merged):
+        op = next(e for e in events if e.get("name") == "op")
+        assert op["pid"] == r and op["ts"] == 5.0 + (2000.0 if r == 0 else 0.0), (r, op)
+        assert next(e for e in events if e.get("name") == "flow")["id"] == 7 + (r << 32)
+        assert {e["args"]["name"] for e in events if e.get("name") == "process_name"} == {f"rank {r}"}
+        assert [e["args"]["name"] for e in events if e.get("name") == "thread_name"] == ["main thread"]
+
+
 def test_ring_bytes_are_nccl_tests_bus_factors():
     """common.ring_bytes(op, 1, W) is the bus-bandwidth factor nccl-tests' doc/PERFORMANCE.md gives for each op
     (03's BENCH divides by it): all_reduce 2(n-1)/n, reduce_scatter, all_gather and all_to_all (n-1)/n,
