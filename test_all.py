@@ -147,6 +147,52 @@ def test_bench_runs_small(script):
     check_passed(launch(script, 2, extra_env={"BENCH_SMALL": "1"}, real_exit=False))
 
 
+# ---- README's commands, as written there ------------------------------------------------------------------
+README_RUN = re.compile(r"^(?:((?:[A-Z_]+=\S+ )*)torchrun (?:--standalone )?--nproc-per-node=(\d+) (\S+\.py)|python (\S+\.py))",
+                        re.M)
+
+
+def readme_commands():
+    """Every `torchrun --nproc-per-node=N FILE` and `python FILE` README.md gives, in a code block or in
+    backticks: (env, N, FILE)."""
+    text = (HERE / "README.md").read_text().replace("`", "\n")
+    found = []
+    for env, n, script, py in README_RUN.findall(text):
+        env = dict(kv.split("=", 1) for kv in env.split())
+        found.append((env, int(n) if n else 4, script or py))
+    return found
+
+
+def test_readme_commands_run(tmp_path):
+    """Each lesson, check script, benchmark and trace command README.md shows runs as written (its world size, its
+    settings; benchmarks small), through the fast launcher; 10's scale example is checked in tests/suite_10.py."""
+    commands = [c for c in readme_commands() if "hidden=" not in c[2]]
+    assert len({c[2] for c in commands}) >= 5, commands
+    for env, n, script in commands:
+        assert (HERE / script).exists(), script
+        env = {k: (str(tmp_path) if k == "TRACE" else v) for k, v in env.items()}
+        if script.startswith("bench/"):
+            env["BENCH_SMALL"] = "1"
+        check_passed(launch(script, n, extra_env=env, real_exit=False))
+
+
+def test_readme_paste_block_runs(tmp_path):
+    """README's "Pasting a block into your model", as written, at 2 ranks; on the CPU with gloo in place of its
+    GPU lines (set_device dropped, "nccl" -> "gloo", device "cuda" -> "cpu"), then checked against the dense layer."""
+    section = (HERE / "README.md").read_text().split("## Pasting a block into your model", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    code = "\n".join(ln for ln in code.splitlines() if "set_device" not in ln)
+    code = code.replace('"nccl"', '"gloo"').replace('device="cuda"', 'device="cpu"')
+    script_ = probe(tmp_path, code + textwrap.dedent("""
+        x = torch.randn(3, 1024)
+        r = dist.get_rank()
+        torch.testing.assert_close(layer(x), dense(x)[:, 2048 * r:2048 * (r + 1)])
+        dist.destroy_process_group()
+        print("[R0] all checks passed: README's paste block" if r == 0 else "", end="")
+    """))
+    check_passed(launch(script_, 2, without_common=True, real_exit=False))  # the user's script: their timeouts
+
+
 # ---- clear errors instead of hangs -------------------------------------------------------------------------
 def test_nccl_without_gpu_is_refused_on_every_rank():
     _has_lessons()
