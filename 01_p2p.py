@@ -18,9 +18,9 @@ Three rules keep this correct and free of deadlock:
   ten floats; NCCL's returns to the CPU at once, but its kernel waits on the GPU for the matching receive, so
   the GPU stalls the same way). If every rank sends first, every rank waits for a recv its peer posts only
   after its own send: a deadlock. Even ranks send first and odd ranks receive first, and the chain of waits
-  always ends (section 2 plays both orders; section 4 replays the order p2p_ops really posted). On NCCL an
-  isend/irecv also waits on its GPU stream for its partner, so Megatron posts even its non-blocking ops in
-  this order (p2p_ops below); batch_isend_irecv hands the whole set to NCCL at once.
+  always ends (section 2 runs that order with blocking calls). On NCCL an isend/irecv also waits on its GPU
+  stream for its partner, so Megatron posts even its non-blocking ops in this order (p2p_ops below);
+  batch_isend_irecv hands the whole set to NCCL at once.
 - Two messages between the same two ranks match in the order they were posted (NCCL ignores tags) or by tag
   (gloo). At W = 2 "prev" and "next" are the same peer: post rightward before leftward on both sides, and tag them.
 - A receiver allocates before it receives, so it must know the shape. With variable sequence lengths, send the
@@ -31,6 +31,8 @@ gradient left; the first stage sends no gradient, the last no activation); ring 
 both neighbours, 2V; with a shape header, 8 * (MAX_NDIM + 1) bytes more per message.
 
 Run:  torchrun --nproc-per-node=4 01_p2p.py
+tests/check_01.py proves beyond this: every order replayed (all-sends-first deadlocks, W = 2..8) and the one p2p_ops
+posts; sub-groups, non-contiguous views, bf16 and int64; the refusals at their boundary.
 """
 import torch
 import torch.distributed as dist
@@ -152,17 +154,11 @@ def batched_p2p_ops(*, send_prev=None, recv_prev=None, send_next=None, recv_next
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
 try:
-    from common import finish, head, log, refused, replays, setup, strided_groups, traffic
+    from common import finish, head, log, setup, traffic
 except ImportError:  # the blocks above, imported alone where common.py is absent
     pass
 
 F64 = torch.float64
-
-
-# checking helpers (a reader may skip to the sections below): views, payloads, traffic asserts
-def column_major(t):
-    """t's values in column-major memory (what .T of a transposed result gives): a view that is not contiguous."""
-    return t.T.contiguous().T
 
 
 def payload(r, which, device):
@@ -170,189 +166,108 @@ def payload(r, which, device):
     return torch.arange(3, dtype=F64, device=device) + 100 * r + 10 * which
 
 
-def on_group(t, members, sends, recvs):
-    """The traffic `t` was `sends` sends and `recvs` recvs, every one on the group of `members`."""
-    assert t.counts["send"] == sends and t.counts["recv"] == recvs, dict(t.counts)
-    assert all(ranks == tuple(members) for _, ranks, _ in t.calls), t.calls
-
-
-def pipeline(device, group, members, H=8, B=2):
-    """One micro-batch forward and backward through the stages `members` (stage i runs layer i on members[i]),
-    checked against the whole model in one process: activations, gradients, layer grads, bytes."""
-    n, me = len(members), members.index(dist.get_rank())
-    torch.manual_seed(n)                                           # the same layers and input on every stage
-    layers = [torch.nn.Linear(H, H, dtype=F64, device=device) for _ in range(n)]
+def pipeline(rank, W, device, H=8, B=2):
+    head(f"1. a {W}-stage pipeline: activations right, gradients left (blocking send/recv)")
+    torch.manual_seed(W)                                           # the same layers and input on every stage
+    layers = [torch.nn.Linear(H, H, dtype=F64, device=device) for _ in range(W)]
     x = torch.randn(B, H, dtype=F64, device=device)                # [B, H], the micro-batch
     acts = [x.clone().requires_grad_()]                            # reference: the whole model in one process
     for layer in layers:
         acts.append(torch.tanh(layer(acts[-1])))
-    params = [p for layer in layers for p in (layer.weight, layer.bias)]
-    ref = torch.autograd.grad(acts[-1].pow(2).sum(), acts[:-1] + params)
-    act_grads, param_grads = ref[:n], ref[n:]
+    ref = torch.autograd.grad(acts[-1].pow(2).sum(), acts[:-1] + [layers[rank].weight, layers[rank].bias])
 
-    stage = layers[me]                                             # this rank runs layer `me` only
+    stage = layers[rank]                                           # this rank runs layer `rank` only
     with traffic() as t:
-        got = recv_forward((B, H), F64, device, group)             # None on the first stage
+        got = recv_forward((B, H), F64, device)                    # None on the first stage
         inp = (x if got is None else got).clone().requires_grad_()
         out = torch.tanh(stage(inp))                               # [B, H]
-        send_forward(column_major(out.detach()), group)            # a non-contiguous view: sent contiguous
-        grad_out = recv_backward(out.shape, out.dtype, device, group)  # None on the last stage
+        send_forward(out.detach())
+        grad_out = recv_backward(out.shape, out.dtype, device)     # None on the last stage
         out.backward(2 * out.detach() if grad_out is None else grad_out)  # the loss lives on the last stage
-        send_backward(column_major(inp.grad), group)
-    assert (got is None) == (me == 0) and (grad_out is None) == (me == n - 1)
-    torch.testing.assert_close(inp.detach(), acts[me].detach())   # stage i received activation i
+        send_backward(inp.grad)
+    assert (got is None) == (rank == 0) and (grad_out is None) == (rank == W - 1)
+    torch.testing.assert_close(inp.detach(), acts[rank].detach())  # stage r received activation r
     if grad_out is not None:
-        torch.testing.assert_close(grad_out, act_grads[me + 1])
-    torch.testing.assert_close(inp.grad, act_grads[me])
-    torch.testing.assert_close(stage.weight.grad, param_grads[2 * me])
-    torch.testing.assert_close(stage.bias.grad, param_grads[2 * me + 1])
-    hops = (me < n - 1) + (me > 0)                                 # V right unless last, V left unless first
-    on_group(t, members, hops, hops)
+        torch.testing.assert_close(grad_out, ref[rank + 1])        # ... and the gradient of its output
+    torch.testing.assert_close(inp.grad, ref[rank])
+    torch.testing.assert_close((stage.weight.grad, stage.bias.grad), ref[W:])
+    hops = (rank < W - 1) + (rank > 0)                             # V right unless last, V left unless first
     assert t.bytes["send"] == t.bytes["recv"] == hops * out.nbytes
-    return out.nbytes
+    log(f"each boundary: {out.nbytes} B activation right, {out.nbytes} B gradient left; every stage's activation, "
+        f"gradients and layer grads == the one-process model" if W > 1 else
+        "W=1: one stage, both recvs return None; its grads == the one-process model")
 
 
-def pipelines(device, W, group, members):
-    head(f"1. a {W}-stage pipeline: activations right, gradients left (blocking send/recv, tagged)")
-    V = pipeline(device, None, list(range(W)))
+def blocking_order(rank, W, device):
+    head("2. no deadlock with blocking send/recv: even ranks send first, odd ranks receive first")
     if W == 1:
-        log("W=1: one stage, both recvs return None; its grads equal the reference's")
-    else:
-        log(f"each boundary: {V} B activation right (tag {TAG_RIGHT}), {V} B gradient left (tag {TAG_LEFT}), "
-            f"column-major views handed in")
-        log("every stage's received activation and gradient, and its layer's grads, == the one-process model")
-    pipeline(device, group, members)
-    log(f"again on the groups {{0, 2, ..}} and {{1, 3, ..}}: stage = group rank, not global rank; == reference")
-
-
-def deadlock(rank, W, device):
-    head("2. deadlock: every rank sends first vs even ranks send first")
-    naive = lambda n: [[("send", (r + 1) % n, TAG_RIGHT), ("recv", (r - 1) % n, TAG_RIGHT)] for r in range(n)]
-    shift = lambda n: [[op for op in even_odd_order(r, n) if op[2] == TAG_RIGHT] for r in range(n)]
-    both = lambda n: [even_odd_order(r, n) for r in range(n)]
-    both_naive = lambda n: [sorted(even_odd_order(r, n), key=lambda op: op[0] == "recv") for r in range(n)]
-    for n in range(2, 9):
-        assert not replays(naive(n)) and not replays(both_naive(n)), n
-        assert replays(shift(n)) and replays(both(n)), n
-    # ranks 0 and 1 finish, rank 2 waits for a message nobody sends: still a hang
-    assert not replays([[("send", 1, TAG_RIGHT)], [("recv", 0, TAG_RIGHT)], [("recv", 0, TAG_LEFT)]])
-    # two tagged messages to one peer, received in the other order: the first blocking send waits for a receive
-    # posted after the one its peer is blocked in
-    assert not replays([[("send", 1, TAG_RIGHT), ("send", 1, TAG_LEFT)],
-                        [("recv", 0, TAG_LEFT), ("recv", 0, TAG_RIGHT)]])
-    log("ring shift, sends first on every rank: rank r waits for r+1's recv, which waits behind r+1's send...")
-    log("   ... around the ring back to r: a cycle, deadlock at every W in 2..8 (played, not run)")
-    log("even ranks send first, odd ranks receive first: completes at every W in 2..8, odd W included")
-    if W == 1:
-        log("W=1: no peer, nothing to run for real (gloo cannot send to itself)")
+        log("W=1: no peer to send to (gloo cannot send to itself)")
         return
-    prev, nxt = (rank - 1) % W, (rank + 1) % W
-    got = torch.empty(3, dtype=F64, device=device)
-    if rank % 2 == 0:
-        dist.send(payload(rank, 0, device), nxt)
-        dist.recv(got, prev)
-    else:
-        dist.recv(got, prev)
-        dist.send(payload(rank, 0, device), nxt)
-    assert torch.equal(got, payload(prev, 0, device))
-    log(f"run for real with blocking send/recv over {W} ranks: every rank holds its prev's tensor")
+    sends = {TAG_RIGHT: payload(rank, 0, device), TAG_LEFT: payload(rank, 1, device)}
+    got = {TAG_RIGHT: torch.empty(3, dtype=F64, device=device), TAG_LEFT: torch.empty(3, dtype=F64, device=device)}
+    for kind, peer, tag in even_odd_order(rank, W):                # each call returns once its peer has matched it
+        if kind == "send":
+            dist.send(sends[tag], peer, tag=tag)
+        else:
+            dist.recv(got[tag], peer, tag=tag)
+    assert torch.equal(got[TAG_RIGHT], payload((rank - 1) % W, 0, device))  # prev's rightward message
+    assert torch.equal(got[TAG_LEFT], payload((rank + 1) % W, 1, device))   # next's leftward message
+    log(f"{W} ranks, 4 blocking calls each in even/odd order: all complete, rank r holds prev's rightward and "
+        f"next's leftward tensor (every rank sending first would wait in a cycle)")
 
 
-def ring_exchange(rank, W, device, group, members):
+def ring_exchange(rank, W, device):
     head("3. ring exchange with isend/irecv: send to next, receive from prev, at once")
-    for grp, ring in ((None, list(range(W))), (group, members)):
-        i, n = ring.index(rank), len(ring)
-        pair = torch.stack([payload(rank, 1, device), payload(rank, 4, device)], dim=1)  # [3, 2]
-        got = torch.empty(3, dtype=F64, device=device)
-        with traffic() as t:
-            [w.wait() for w in p2p_ops(send_next=pair[:, 0], recv_prev=got, group=grp)]  # a column: strided
-        assert torch.equal(got, payload(ring[(i - 1) % n], 1, device))   # rank r holds x_{r-1}
-        on_group(t, ring, n > 1, n > 1)
-        assert t.bytes["send"] == t.bytes["recv"] == (n > 1) * got.nbytes
-    sent = f"{got.nbytes} B sent and received per rank" if W > 1 else "W=1: a ring of one is its own neighbour, copied"
-    log(f"rank r holds rank (r-1)'s tensor ({sent}); the same in the rings {{0, 2, ..}}, {{1, 3, ..}}")
+    got = torch.empty(3, dtype=F64, device=device)
+    with traffic() as t:
+        [w.wait() for w in p2p_ops(send_next=payload(rank, 2, device), recv_prev=got)]
+    assert torch.equal(got, payload((rank - 1) % W, 2, device))   # rank r holds x_{r-1}
+    assert t.bytes["send"] == t.bytes["recv"] == (W > 1) * got.nbytes
+    log(f"rank r holds rank (r-1)'s tensor, {got.nbytes} B sent and received per rank" if W > 1 else
+        "W=1: a ring of one is its own neighbour: copied, nothing sent")
 
 
-def both_neighbours(rank, W, device, group, members):
+def both_neighbours(rank, W, device):
     head("4. both neighbours at once: batch_isend_irecv, and even/odd isend/irecv")
     for name, exchange in (("batch_isend_irecv", batched_p2p_ops), ("even/odd isend/irecv", p2p_ops)):
-        for grp, ring in ((None, list(range(W))), (group, members)):
-            i, n = ring.index(rank), len(ring)
-            pair = torch.stack([payload(rank, 2, device), payload(rank, 3, device)], dim=1)  # [3, 2]: R, L
-            from_prev, from_next = torch.empty(3, dtype=F64, device=device), torch.empty(3, dtype=F64, device=device)
-            with traffic() as t:
-                [w.wait() for w in exchange(send_next=pair[:, 0], send_prev=pair[:, 1],
-                                            recv_prev=from_prev, recv_next=from_next, group=grp)]
-            assert torch.equal(from_prev, payload(ring[(i - 1) % n], 2, device))  # prev's rightward tensor
-            assert torch.equal(from_next, payload(ring[(i + 1) % n], 3, device))  # next's leftward tensor
-            on_group(t, ring, 2 * (n > 1), 2 * (n > 1))
-            assert t.bytes["send"] == t.bytes["recv"] == 2 * (n > 1) * from_prev.nbytes
-        log(f"{name}: rank r holds prev's rightward and next's leftward tensor ({2 * from_prev.nbytes} B sent per "
-            f"rank), also in the rings {{0, 2, ..}} and {{1, 3, ..}}")
+        from_prev, from_next = torch.empty(3, dtype=F64, device=device), torch.empty(3, dtype=F64, device=device)
+        with traffic() as t:
+            [w.wait() for w in exchange(send_next=payload(rank, 3, device), send_prev=payload(rank, 4, device),
+                                        recv_prev=from_prev, recv_next=from_next)]
+        assert torch.equal(from_prev, payload((rank - 1) % W, 3, device))  # prev's rightward tensor
+        assert torch.equal(from_next, payload((rank + 1) % W, 4, device))  # next's leftward tensor
+        assert t.bytes["send"] == t.bytes["recv"] == 2 * (W > 1) * from_prev.nbytes
+    log(f"both ways: rank r holds prev's rightward and next's leftward tensor, {2 * (W > 1) * from_prev.nbytes} B "
+        f"sent per rank")
 
 
-def posted_order(rank, W, device):
-    """The order p2p_ops really posts, from every rank, replayed as blocking sends: it must complete."""
-    ops = _neighbour_ops(*[torch.empty(3, dtype=F64, device=device)] * 4, group=None)
-    with traffic() as t:
-        [w.wait() for w in p2p_ops(**{k: torch.empty(3, dtype=F64, device=device) for k in
-                                      ("send_prev", "recv_prev", "send_next", "recv_next")})]
-    posted = [("send" if op is dist.isend else "recv", peer, tag) for op, _, peer, tag in ops]
-    assert [kind for kind, _, _ in posted] == [name for name, _, _ in t.calls]   # what really went out, in order
-    schedules = [None] * W
-    dist.all_gather_object(schedules, posted)
-    assert replays(schedules) and (W == 1 or not replays([sorted(s, key=lambda op: op[0] == "recv")
-                                                           for s in schedules]))
-    log("the order every rank posted, replayed as blocking sends, completes; all sends first would deadlock")
-    refused(lambda: p2p_ops(recv_prev=torch.empty(3, 2, dtype=F64, device=device)[:, 0]))  # a strided buffer
-    if W == 2:  # Megatron's batched order, untagged: rank 0's leftward message meets rank 1's first recv
-        a, b = torch.empty(3, dtype=F64, device=device), torch.empty(3, dtype=F64, device=device)
-        peer = 1 - rank
-        ops = [dist.P2POp(dist.isend, payload(rank, 3, device), peer), dist.P2POp(dist.irecv, a, peer),
-               dist.P2POp(dist.isend, payload(rank, 2, device), peer), dist.P2POp(dist.irecv, b, peer)]
-        [w.wait() for w in dist.batch_isend_irecv(ops)]
-        assert torch.equal(a, payload(peer, 3, device)) and torch.equal(b, payload(peer, 2, device))
-        log("W=2, prev == next: posted leftward first and untagged, the two messages land swapped")
-
-
-def variable_shapes(rank, W, device, group, members, H=8):
+def variable_shapes(rank, W, device, H=8):
     head("5. variable sequence lengths: the shape travels first")
     torch.manual_seed(5)
-    seq_lens = torch.randint(1, 9, (3,)).tolist()                  # same on every rank: the shared seed
-    batch = torch.arange(max(seq_lens) * 3 * H, dtype=F64, device=device).reshape(max(seq_lens), 3, H)  # [S, M, H]
-    hdr = shape_header(batch.shape, device).nbytes
-    for grp, chain in ((None, list(range(W))), (group, members)):
-        i, n = chain.index(rank), len(chain)
-        for m, s in enumerate(seq_lens):
-            mb = batch[:s, m]                                      # [s, H], sequence-first: not contiguous
-            assert shape_from_header(shape_header(mb.shape, device)) == mb.shape
-            with traffic() as t:   # stage i receives (mb + i), transposed i times; it sends (that + 1).T
-                got = mb if i == 0 else recv_with_shape(chain[i - 1], F64, device, grp)
-                if i < n - 1:
-                    send_with_shape((got + 1).T, chain[i + 1], grp)
-            assert torch.equal(got, (mb + i).T if i % 2 else mb + i), (m, got.shape)
-            on_group(t, chain, 2 * (i < n - 1), 2 * (i > 0))
-            assert t.bytes["send"] == (i < n - 1) * (hdr + mb.nbytes) and t.bytes["recv"] == (i > 0) * (hdr + mb.nbytes)
-    assert hdr == 8 * (MAX_NDIM + 1)
-    full = torch.Size(range(2, 2 + MAX_NDIM))                      # the most dims a header holds: they fit
-    assert shape_from_header(shape_header(full, device)) == full
-    refused(lambda: shape_header((1,) * (MAX_NDIM + 1), device))   # one dim more than a header holds
-    log(f"3 micro-batches of {seq_lens} tokens x {H}, shapes alternating [s, H] and [H, s]: each stage allocates "
-        f"from a {hdr} B header, then receives; also in {{0, 2, ..}}, {{1, 3, ..}}"
-        + (" (W=1: nothing to send; the header round-trips)" if W == 1 else ""))
+    seq_lens = torch.randint(1, 9, (3,)).tolist()                  # the same on every rank: the shared seed
+    hdr = 8 * (MAX_NDIM + 1)                                       # the closed form: MAX_NDIM + 1 int64s
+    for m, s in enumerate(seq_lens):
+        mb = torch.arange(s * H, dtype=F64, device=device).reshape(s, H) + 1000 * m  # [s, H]: micro-batch m
+        with traffic() as t:                                       # stage r receives mb + r and sends mb + r + 1
+            got = mb if rank == 0 else recv_with_shape(rank - 1, F64, device)
+            if rank < W - 1:
+                send_with_shape(got + 1, rank + 1)
+        assert torch.equal(got, mb + rank), (m, got.shape)
+        assert t.bytes["send"] == (rank < W - 1) * (hdr + mb.nbytes)
+        assert t.bytes["recv"] == (rank > 0) * (hdr + mb.nbytes)
+    log(f"3 micro-batches of {seq_lens} tokens x {H}: each stage allocates from a {hdr} B header, then receives "
+        f"the tensor; == the tensor sent" + (" (W=1: nothing to send)" if W == 1 else ""))
 
 
 def main():
     rank, W, device = setup()
-    group, members = strided_groups(2)[rank % 2]   # {0, 2, ..} and {1, 3, ..}: group rank != global rank
-    pipelines(device, W, group, members)
-    deadlock(rank, W, device)
-    ring_exchange(rank, W, device, group, members)
-    both_neighbours(rank, W, device, group, members)
-    posted_order(rank, W, device)
-    variable_shapes(rank, W, device, group, members)
-    finish("pipeline send/recv fwd+bwd, even/odd order without deadlock (posted order replayed), ring and "
-           "neighbour exchange, variable shapes; on the world and on strided sub-groups")
+    pipeline(rank, W, device)
+    blocking_order(rank, W, device)
+    ring_exchange(rank, W, device)
+    both_neighbours(rank, W, device)
+    variable_shapes(rank, W, device)
+    finish("pipeline send/recv forward and backward == one process, the even/odd order run blocking, ring and "
+           "neighbour exchanges, variable shapes behind a header; bytes == the closed forms")
 
 
 if __name__ == "__main__":
