@@ -35,7 +35,9 @@ Which all-reduce backward is right depends on how the loss counts the output:
   summed        L = the sum of each rank's loss on its copy, so dL/dx_r sums every rank's gradient: f(g(x)), an
                 all-reduce both ways (torch's differentiable all-reduce). Mixed up: W times the gradient, or one term.
 
-Run:  torchrun --nproc-per-node=4 03_allreduce_rs_ag.py     (BENCH=1: nccl-tests' algbw/busbw table instead)
+Run:  torchrun --nproc-per-node=4 03_allreduce_rs_ag.py     (the bandwidth table: bench/03_bandwidth.py)
+
+tests/check_03.py: sub-groups, V % W != 0, V < W, bf16, every dim, bytes per phase, post order, torch's own, refusals.
 """
 import torch
 import torch.distributed as dist
@@ -195,59 +197,13 @@ def ring_all_reduce(x, group=None):
     return out
 
 
-# ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
-import os
-import time
+# ---- demo: each claim above against one process (needs common.py; the blocks need only torch) -------------
+def main():
+    import os
+    from common import finish, head, log, log_all, overlap, setup, time_overlap, traffic
+    rank, W, device = setup()
+    f64 = dict(dtype=torch.float64, device=device)     # integer-valued float64: every sum below is exact
 
-try:
-    from common import (finish, head, log, log_all, overlap, refuse, refused, replays, ring_bytes, setup,
-                        strided_groups, sync, time_overlap, traffic)
-except ImportError:  # the blocks above, imported alone where common.py is absent
-    pass
-
-
-# checking helpers (a reader may skip to the sections below): torch's own collectives, views, the checker
-def torch_functional_collectives():
-    """torch's own differentiable collectives to compare ours with, or None where this torch has none that fit."""
-    import torch.distributed._functional_collectives as funcol
-    return funcol if hasattr(funcol, "all_gather_single") else None
-
-
-def members_of(group):
-    members = dist.get_process_group_ranks(group or dist.group.WORLD)
-    return members, len(members), dist.get_rank(group)
-
-
-def strided(t):
-    """t's values as a non-contiguous view: stored transposed (2-d and up), or every other element (1-d)."""
-    return t.mT.contiguous().mT if t.dim() > 1 else torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
-
-
-def check_collective(op, X, Y, dense, group, fwd=None, bwd=None, builtin=None, once=False):
-    """Group rank r runs op(X[r]), handed a non-contiguous view, and backpropagates Y[r] (Y[0] on every rank for
-    a loss counted once). Reference: dense autograd in one process on the group's inputs, dense(X) stacking
-    what every rank should hold, the loss sum_r <dense(X)[r], Y[r]> (or <dense(X)[0], Y[0]>, counted once).
-    fwd / bwd: the collective each pass must issue on the group (none when the group has one rank)."""
-    members, G, r = members_of(group)
-    X, Y = X[members], Y[members]
-    Xd = X.clone().requires_grad_()
-    outs = dense(Xd)
-    (outs[:1] * Y[:1] if once else outs * Y).sum().backward()
-    for fn in [op] + ([builtin] if builtin else []):
-        leaf = X[r].clone().requires_grad_()
-        x = strided(leaf) if fn is op else leaf
-        with traffic() as t_fwd:
-            out = fn(x)
-        with traffic() as t_bwd:
-            out.backward(Y[0] if once else Y[r])
-        assert torch.equal(out, outs[r]) and torch.equal(leaf.grad, Xd.grad[r])
-        assert torch.equal(x.detach(), X[r])            # the input is left as it was
-        if fn is op:                                    # one collective each way, on this group, of these bytes
-            calls = lambda name, t: [(name, tuple(members), t.nbytes)] if name and G > 1 else []
-            assert t_fwd.calls == calls(fwd, x) and t_bwd.calls == calls(bwd, out), (t_fwd.calls, t_bwd.calls)
-
-
-def section_collectives(rank, W, f64):
     head("1. all-reduce, reduce-scatter, all-gather: AG(RS(x)) == AR(x)")
     n = 2                                               # elements per chunk; V = n * W
     X = torch.stack([torch.arange(n * W, **f64) + 100 * s for s in range(W)])
@@ -263,105 +219,54 @@ def section_collectives(rank, W, f64):
     log_all(f"x = [{x[0]:.0f} .. {x[-1]:.0f}]  reduce-scatter -> {rs.long().tolist()}")
     log(f"all-gather of those = all-reduce = {ar.long().tolist()} on every rank")
 
-
-def section_ring(rank, W, f64, groups):
     head("2. ring all-reduce from isend/irecv: W-1 reduce-scatter steps, then W-1 all-gather steps")
     torch.manual_seed(2)
-    for group in groups:                                # in the odd group global rank 3 is group rank 1
-        members, G, r = members_of(group)
-        for shape in [(W, 3), (3 * W + 1,), (1,)]:      # world: V divisible by W; V not (W > 1); V < W
-            X = torch.randint(-50, 50, (W, *shape), **f64)
-            x = X[rank].clone().requires_grad_(shape == (1,))   # (1,): x itself, contiguous and requiring grad
-            with traffic() as t:
-                ring = ring_all_reduce(x if shape == (1,) else strided(x), group)
-            assert not ring.requires_grad               # outside autograd: no silently wrong (identity) backward
-            ref = X[rank].clone()
-            dist.all_reduce(ref, group=group)
-            assert torch.equal(ring, X[members].sum(0)) and torch.equal(ring, ref)
-            assert torch.equal(x, X[rank])              # a new tensor: the input is left as it was
-            assert all(ranks == tuple(members) for _, ranks, _ in t.calls)     # every post on this group
-            sent = [b for kind, _, b in t.calls if kind == "send"]
-            V, e = X[rank].numel(), X.element_size()
-            chunk = [V // G + (c < V % G) for c in range(G)]   # tensor_split's chunk sizes
-            # reduce-scatter sends every chunk but r (the one it ends with), all-gather every chunk but r+1 (the
-            # last one it receives): each phase is (G-1)/G * V to within one element
-            rs_b, ag_b = sum(sent[:G - 1]), sum(sent[G - 1:])
-            assert len(sent) == 2 * (G - 1) and rs_b == (V - chunk[r]) * e and ag_b == (V - chunk[(r + 1) % G]) * e
-            assert abs(rs_b - ring_bytes("reduce_scatter", V * e, G)) < e
-            assert abs(ag_b - ring_bytes("all_gather", V * e, G)) < e
-            assert abs(rs_b + ag_b - ring_bytes("all_reduce", V * e, G)) < 2 * e
-            # the order this rank posted its sends (to r+1) and receives (from r-1), replayed as blocking ops
-            posts = [None] * G
-            dist.all_gather_object(posts, [kind for kind, _, _ in t.calls], group=group)
-            assert replays([[(k, (g + 1) % G if k == "send" else (g - 1) % G) for k in p]
-                            for g, p in enumerate(posts)]), f"the ring's post order deadlocks: {posts}"
-            for first in ("send", "recv"):  # every rank posting its send first (or its receive first) deadlocks
-                same = [[k for pair in zip(p[0::2], p[1::2]) for k in sorted(pair, key=lambda k: k != first)]
-                        for p in posts]                                  # each step's pair, `first` first
-                assert G == 1 or not replays([[(k, (g + 1) % G if k == "send" else (g - 1) % G) for k in p]
-                                              for g, p in enumerate(same)]), (first, same)
-            if group is None and shape == (W, 3):
-                log(f"V = {V} x {e} B: sent {rs_b} B reduce-scatter + {ag_b} B all-gather = {rs_b + ag_b} B; "
-                    f"2(W-1)/W*V = {ring_bytes('all_reduce', V * e, W):g} B; == dist.all_reduce")
-    log("also V % W != 0, V < W, and the even / odd ranks as sub-groups: == dist.all_reduce, 2(G-1)/G*V B")
-    log("each rank's posts (even: send first, odd: receive first), replayed as blocking sends: no deadlock; "
-        "every rank sending first, or receiving first, deadlocks")
+    X = torch.randint(-50, 50, (W, W, 3), **f64)        # rank r holds X[r]: V = 3W elements
+    with traffic() as t:
+        ring = ring_all_reduce(X[rank])
+    V = X[rank].nbytes
+    sent = sum(b for kind, _, b in t.calls if kind == "send")
+    assert torch.equal(ring, X.sum(0))                  # == the sum in one process
+    assert sent * W == 2 * (W - 1) * V                  # the closed form 2(W-1)/W * V, exactly: W divides V
+    log(f"V = {V} B over {W} ranks: == the sum in one process; sent {sent} B = 2(W-1)/W * V")
 
-
-def section_all_reduce(rank, W, f64, groups, funcol):
     head("3. all-reduce in autograd: g for a loss counted once, f(g(x)) for a summed loss")
     torch.manual_seed(3)
     X = torch.randint(-9, 10, (W, 3, 4), **f64)         # rank s holds X[s]
     Y = torch.randint(-9, 10, (W, 3, 4), **f64)         # rank s's upstream gradient
-    summed = lambda Xd: Xd.sum(0, keepdim=True).expand_as(Xd)
+    once, summed = X.clone().requires_grad_(), X.clone().requires_grad_()
+    (once.sum(0) * Y[0]).sum().backward()               # one loss, from the one output every rank holds
+    (summed.sum(0) * Y).sum().backward()                # L = sum over ranks r of <output, Y[r]>
     g = reduce_from_tensor_model_parallel_region
-    fg = lambda t, group: copy_to_tensor_model_parallel_region(g(t, group), group)
-    for group in groups:
-        members, G, r = members_of(group)
-        torch_ar = (lambda t: funcol.all_reduce(t, "sum", group or dist.group.WORLD)) if funcol else None
-        check_collective(lambda t: g(t, group), X, Y, summed, group, fwd="all_reduce", once=True)
-        check_collective(lambda t: fg(t, group), X, Y, summed, group, "all_reduce", "all_reduce", torch_ar)
-        x = X[rank].clone().requires_grad_()            # mixing them gives the wrong gradient:
-        fg(x, group).backward(Y[members[0]])            # f(g(x)) under a loss counted once: G times it
-        assert torch.equal(x.grad, G * Y[members[0]])
-        x.grad = None
-        g(x, group).backward(Y[rank])                   # g under a summed loss: only this rank's term
-        assert torch.equal(x.grad, Y[rank])
-    log("world and even / odd sub-groups: loss counted once, g == dense autograd; summed loss, f(g(x)) == "
-        "dense autograd" + (" == torch's own all_reduce" if funcol else ""))
-    log(f"mixed up: f(g(x)) under a loss counted once gives {W} x the gradient, g under a summed one this rank's")
+    fg = lambda t: copy_to_tensor_model_parallel_region(g(t))
+    for op, dy, want in ((g, Y[0], once.grad), (fg, Y[rank], summed.grad)):
+        x = X[rank].clone().requires_grad_()
+        out = op(x)
+        out.backward(dy)
+        assert torch.equal(out, X.sum(0)) and torch.equal(x.grad, want[rank])
+    log("g under a loss counted once, f(g(x)) under a summed loss: forward and backward == dense autograd")
 
-
-def section_gather_scatter(rank, W, f64, groups, funcol):
-    head("4. all-gather / reduce-scatter regions along any dim: each one's backward is the other")
+    head("4. all-gather / reduce-scatter regions, batch-first (dim=1): each one's backward is the other")
     torch.manual_seed(4)
-    for group in groups:
-        members, G, r = members_of(group)
-        pg = group or dist.group.WORLD
-        for dim in (0, 1, 2, -1):
-            X = torch.randint(-9, 10, (W, 2, 3, 4), **f64)
-            gathered = lambda Xd: torch.stack([torch.cat(list(Xd), dim)] * len(Xd))
-            Y = torch.randint(-9, 10, (W, *gathered(X[members]).shape[1:]), **f64)
-            torch_ag = (lambda t: funcol.all_gather_single(t, dim, pg)) if funcol else None
-            check_collective(lambda t: gather_from_sequence_parallel_region(t, group, dim=dim), X, Y, gathered, group,
-                             "all_gather", "reduce_scatter", torch_ag)
-            shape = [2, 3, 4]
-            shape[dim] *= G                             # reduce-scatter input: G blocks along dim
-            scattered = lambda Xd: torch.stack(Xd.sum(0).chunk(len(Xd), dim))
-            torch_rs = (lambda t: funcol.reduce_scatter_single(t, "sum", dim, pg)) if funcol else None
-            check_collective(lambda t: reduce_scatter_to_sequence_parallel_region(t, group, dim=dim),
-                             torch.randint(-9, 10, (W, *shape), **f64),
-                             torch.randint(-9, 10, (W, 2, 3, 4), **f64), scattered, group, "reduce_scatter",
-                             "all_gather", torch_rs)
-    log("dims 0, 1, 2, -1, world and sub-groups: fwd and bwd == dense autograd" + (" == torch's own" if funcol
-        else "") + "; one collective each way; inputs untouched")
-    if W > 1:
-        said = refused(lambda: reduce_scatter_to_sequence_parallel_region(torch.zeros(3 * W + 1, device=f64["device"])))
-        assert f"x.shape[0]={3 * W + 1}" in said and f"group size {W}" in said, said
-        log(f"ValueError: {said}")
+    X = torch.randint(-9, 10, (W, 2, 3, 4), **f64)      # rank r holds tokens 3r .. 3r+2 of [b=2, s=3W, h=4]
+    Y = torch.randint(-9, 10, (W, 2, 3 * W, 4), **f64)  # rank r's upstream gradient of the gathered sequence
+    Xd = X.clone().requires_grad_()
+    full = torch.cat(list(Xd), dim=1)                   # [2, 3W, 4]: every rank's tokens in rank order
+    (full * Y).sum().backward()                         # each rank's loss from its copy, summed
+    x = X[rank].clone().requires_grad_()
+    out = gather_from_sequence_parallel_region(x, dim=1)
+    out.backward(Y[rank])
+    assert torch.equal(out, full.detach()) and torch.equal(x.grad, Xd.grad[rank])
+    Zd = Y.clone().requires_grad_()                     # the reverse: rank r holds partial sums Y[r] [2, 3W, 4]
+    parts = Zd.sum(0).chunk(W, dim=1)                   # rank r gets tokens 3r .. 3r+2 of the sum
+    sum((p * X[r]).sum() for r, p in enumerate(parts)).backward()   # X[r]: rank r's upstream gradient
+    z = Y[rank].clone().requires_grad_()
+    out = reduce_scatter_to_sequence_parallel_region(z, dim=1)
+    out.backward(X[rank])
+    assert torch.equal(out, parts[rank]) and torch.equal(z.grad, Zd.grad[rank])
+    log(f"gather: [2, 3, 4] -> [2, {3 * W}, 4], its backward reduce-scatters; reduce-scatter: the reverse; "
+        f"both == dense autograd")
 
-
-def section_overlap(rank, W, device):
     head("5. async all-reduce overlapped with independent compute")
     idx = torch.arange(1 << 14, device=device)
     expect = (W * (idx % 7) + W * (W - 1) // 2).float()  # closed form of the sum over ranks of (idx % 7 + r)
@@ -371,123 +276,15 @@ def section_overlap(rank, W, device):
     overlap(lambda: dist.all_reduce(bucket, async_op=True), compute)
     assert torch.equal(bucket, expect)
     scratch = bucket.clone()
-    t = time_overlap(lambda: dist.all_reduce(scratch, async_op=True), compute, device)
+    t = time_overlap(lambda: dist.all_reduce(scratch, async_op=True), compute, device, iters=3)
+    saved = t["comm"] + t["compute"] - t["overlapped"]  # timings: printed, not asserted
+    why = ("NCCL reduces in a kernel on its own stream, beside the matmul" if device.type == "cuda" else
+           f"gloo adds on CPU threads, which share this machine's {os.cpu_count()} cores with {W} ranks' matmuls")
     log(f"all-reduce of {bucket.numel() * 4 // 1024} KiB alone {t['comm'] * 1e3:.2f} ms, compute alone "
         f"{t['compute'] * 1e3:.2f} ms, overlapped {t['overlapped'] * 1e3:.2f} ms; result == closed form")
-    saved = t["comm"] + t["compute"] - t["overlapped"]  # timings: printed, not asserted
-    if device.type == "cuda":
-        log(f"overlap saved {saved * 1e3:.2f} ms: NCCL reduces in a kernel on its own stream, beside the matmul")
-    else:
-        log(f"overlap saved {saved * 1e3:.2f} ms: gloo adds on CPU threads, which share this machine's "
-            f"{os.cpu_count()} cores with the matmuls of {W} ranks")
-
-
-# ---- BENCH=1: an nccl-tests-style table (not run by the suite; each op's result is still checked) -----------
-def bench_ops(rank, W, device):
-    """name -> make(n) -> (call, check), for n float32 elements (a multiple of W). nccl-tests' doc/PERFORMANCE.md:
-    algbw = S / t, S the bytes of the op's largest buffer (the all-gather's output, the reduce-scatter's input);
-    busbw = algbw * ring_bytes(name, 1, W), the bytes the busiest link carries per second in a ring."""
-    f32 = dict(dtype=torch.float32, device=device)
-    W_sum = W * (W + 1) / 2                              # rank r contributes r + 1
-
-    def all_reduce(n):
-        x = torch.full((n,), rank + 1.0, **f32)
-        return lambda: dist.all_reduce(x), lambda: bool((x == W_sum).all())
-
-    def all_gather(n):
-        inp, out = torch.full((n // W,), float(rank), **f32), torch.empty(n, **f32)
-        want = torch.arange(W, **f32)[:, None]
-        return lambda: all_gather_single(out, inp), lambda: bool((out.view(W, -1) == want).all())
-
-    def reduce_scatter_(n):
-        inp, out = torch.full((n,), rank + 1.0, **f32), torch.empty(n // W, **f32)
-        return lambda: reduce_scatter_single(out, inp), lambda: bool((out == W_sum).all())
-
-    def all_to_all(n):                                   # block j of rank r's input, r*W + j, goes to rank j
-        inp = (rank * W + torch.arange(W, **f32)).repeat_interleave(n // W)
-        out, want = torch.empty(n, **f32), (torch.arange(W, **f32) * W + rank)[:, None]
-        return lambda: dist.all_to_all_single(out, inp), lambda: bool((out.view(W, -1) == want).all())
-
-    def broadcast(n):
-        x = torch.full((n,), float(rank), **f32)
-        return lambda: dist.broadcast(x, src=0), lambda: bool((x == 0).all())
-
-    return {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter_,
-            "all_to_all": all_to_all, "broadcast": broadcast}
-
-
-def slowest(seconds, device):
-    """The slowest rank's seconds (what nccl-tests' time means to a training step: every rank waits for it)."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def timed(call, device, budget=0.05):
-    """Mean seconds of one call: one call sizes the count, then as many as fit `budget` (all ranks alike)."""
-    sync(device)
-    dist.barrier()
-    t0 = time.perf_counter()
-    call()
-    sync(device)
-    iters = max(1, min(50, int(budget / max(slowest(time.perf_counter() - t0, device), 1e-9))))
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    sync(device)
-    return slowest((time.perf_counter() - t0) / iters, device)
-
-
-def bench(rank, W, device, sizes=tuple(8 << 2 * k for k in range(13)) + (256 << 20,)):
-    """algbw and busbw as nccl-tests defines them (its doc/PERFORMANCE.md). algbw = S / t depends on W for one
-    link speed (a ring all-reduce moves 2(W-1)/W * S per rank); busbw removes that factor, so it reads against
-    the hardware's link bandwidth at any W: busbw is what to compare across sizes, ranks and machines."""
-    head(f"BENCH: {dist.get_backend()} at {W} ranks, float32, 8 B .. 256 MiB; GB/s = 1e9 bytes/s; "
-         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    src = torch.ones(sizes[-1] // 4, device=device)      # touched: its pages exist before the clock starts
-    dst = torch.zeros_like(src)
-    copy = timed(lambda: dst.copy_(src), device, 0.5)
-    del src, dst
-    limit = "the most loopback gloo can approach" if device.type == "cpu" else "GPU memory, far above any link"
-    log(f"memory copy (copy_ of {sizes[-1] >> 20} MiB on every rank at once): {sizes[-1] / copy / 1e9:.1f} GB/s "
-        f"per rank, {limit}")
-    ops = bench_ops(rank, W, device)
-    log("algbw = S/t; busbw = algbw x 2(W-1)/W (all_reduce), (W-1)/W (all_gather, reduce_scatter, all_to_all), "
-        "1 (broadcast)")
-    log(f"{'S (bytes)':>10} {'AR time':>9} " + " ".join(f"{name:^13}" for name in ops) + "  algbw/busbw GB/s")
-    for size in sizes:
-        n = max(W, size // 4 // W * W)                  # elements: a multiple of W, as nccl-tests rounds
-        row = []
-        for name, make in ops.items():
-            call, check = make(n)
-            call()
-            assert check(), f"{name} of {n * 4} B: wrong result"
-            t = timed(call, device)
-            row.append(f"{n * 4 / t / 1e9:6.2f}/{n * 4 / t / 1e9 * ring_bytes(name, 1, W):<6.2f}")
-            ar_us = t * 1e6 if name == "all_reduce" else ar_us
-            del call, check
-        log(f"{n * 4:>10} {ar_us:>7.0f}us " + " ".join(row))
-
-
-def main():
-    if os.environ.get("BENCH", "").strip() not in ("", "0", "1"):
-        refuse(f"BENCH={os.environ['BENCH']!r}: BENCH=1 prints the bandwidth table, BENCH=0 (or unset) runs the lesson")
-    rank, W, device = setup()
-    if os.environ.get("BENCH", "").strip() == "1":
-        bench(rank, W, device)
-        finish(f"BENCH at {W} ranks: every op's result checked at every size (the speeds are measurements)")
-        return
-    f64 = dict(dtype=torch.float64, device=device)     # integer-valued float64: every sum below is exact
-    groups = [None, strided_groups(2)[rank % 2][0]]    # the world; {0, 2, ..} or {1, 3, ..}: group rank != rank
-    funcol = torch_functional_collectives()
-    section_collectives(rank, W, f64)
-    section_ring(rank, W, f64, groups)
-    section_all_reduce(rank, W, f64, groups, funcol)
-    section_gather_scatter(rank, W, f64, groups, funcol)
-    section_overlap(rank, W, device)
-    finish("AG(RS(x)) == AR(x); ring all-reduce == dist.all_reduce sending 2(W-1)/W*V up to chunk rounding, its "
-           "post order deadlock-free as blocking sends; f, g, AG, RS == dense autograd on the world and sub-groups")
+    log(f"overlap saved {saved * 1e3:.2f} ms: {why}")
+    finish("AG(RS(x)) == AR(x); the ring all-reduce == the sum, sending 2(W-1)/W*V; f, g and the sequence-parallel "
+           "regions == dense autograd")
 
 
 if __name__ == "__main__":
