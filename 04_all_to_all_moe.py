@@ -39,6 +39,8 @@ rows again, not the counts; at W = 1 no all-to-all runs):
 K_out, K_in: the kept assignments this rank routes, its experts serve; both <= E*C: ragged hands <= padded.
 
     torchrun --nproc-per-node=4 04_all_to_all_moe.py
+
+tests/check_04.py: sub-groups, bf16, k = E, capacity at its limits, the rule, no padding row, traffic, refusals.
 """
 import math
 
@@ -184,35 +186,8 @@ class ExpertParallelMoE(nn.Module):
         return out
 
 
-# ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
-try:
-    from common import (finish, head, launched_world_size, log, log_all, refuse, refused, ring_bytes, setup,
-                        strided_groups, traffic)
-except ImportError:  # the blocks above, imported alone where common.py is absent
-    pass
-
+# ---- demo: each claim above against one process (needs common.py; the blocks need only torch) -------------
 E, H, FFN, N = 8, 4, 8, 8        # experts, hidden size, expert hidden size, tokens per rank
-F64 = torch.float64
-
-
-# checking helpers (a reader may skip to the sections below): views, the one-process MoE, the checker
-def members_of(group):
-    members = dist.get_process_group_ranks(group or dist.group.WORLD)
-    return members, len(members), dist.get_rank(group)
-
-
-def strided(t):
-    """t's values as a non-contiguous view: stored transposed (2-d and up), or every other element (1-d)."""
-    return t.mT.contiguous().mT if t.dim() > 1 else torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
-
-
-class CountingIdentity(nn.Module):
-    """An identity expert that counts the rows it is handed (padding rows must not reach it)."""
-    rows = 0
-
-    def forward(self, x):
-        self.rows += x.shape[0]
-        return x
 
 
 def reference_moe(X, router, experts, k, capacity, n_per_rank):
@@ -235,195 +210,95 @@ def reference_moe(X, router, experts, k, capacity, n_per_rank):
     return (combine[..., None] * every).sum(1), idx, keep
 
 
-def moe_against_one_process(k, cf, group, device):
-    """One MoE in one process on the group's tokens, then its expert-parallel shards on both dispatch paths:
-    the output and the gradients of the input, the router and every expert must agree, the drops must follow
-    the capacity rule, and each path must hand the collectives the bytes the docstring's formula gives.
-    Returns those bytes and the routing."""
-    members, G, r = members_of(group)
-    torch.manual_seed(k)                        # the same weights and tokens on every rank
-    kw = dict(device=device, dtype=F64)
+def moe_against_one_process(k, cf, device):
+    """reference_moe on every rank's tokens, then the expert-parallel layer on this rank's, ragged and padded: the
+    output and the gradients of the input, the router and every expert must agree, and the bytes each path hands
+    the collectives in the forward must be the docstring's. Returns those bytes and the routing's numbers."""
+    from common import traffic
+    W, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(k)                                # the same weights and tokens on every rank
+    kw = dict(device=device, dtype=torch.float64)
     router, experts = nn.Linear(H, E, bias=False, **kw), [make_expert(H, FFN, **kw) for _ in range(E)]
-    X = torch.randn(dist.get_world_size(), N, H, **kw)[members].flatten(0, 1).requires_grad_()  # group rank r:
-    dY = torch.randn(X.shape, **kw)                                         # rows r*N .. r*N+N-1; upstream grad
+    X = torch.randn(W * N, H, **kw).requires_grad_()    # rank r's tokens: rows r*N .. r*N+N-1
+    dY = torch.randn(X.shape, **kw)                     # their upstream gradient
     cap = None if cf is None else math.ceil(cf * N * k / E)                 # the docstring's C
     ref, idx, keep = reference_moe(X, router, experts, k, cap, N)
     (ref * dY).sum().backward()
-
-    L, mine = E // G, slice(r * N, (r + 1) * N)
-    held = nn.ModuleList(experts[r * L:(r + 1) * L])                        # the experts this rank holds
-    # the formula's rows, from the reference's routing: ragged moves the kept ones, padded E*C each way
+    L, mine = E // W, slice(r * N, (r + 1) * N)
+    held = nn.ModuleList(experts[r * L:(r + 1) * L])    # the experts this rank holds
+    # the formula's rows: ragged moves the kept assignments (K_out routed from here, K_in served here); padded
+    # E*C each way, C the capacity or the largest count any rank sends any expert (found by an all-reduce MAX)
     k_out, k_in = int(keep[mine].sum()), int((keep & (idx // L == r)).sum())
     C = cap if cap is not None else max(int(idx[s * N:(s + 1) * N].flatten().bincount(minlength=E).max())
-                                        for s in range(G))                  # the largest count, over ranks
-    rows = {"ragged": k_out + k_in, "padded": 2 * E * C}
-    handed, d_router = {}, []
+                                        for s in range(W))
+    a2a = W > 1                                         # one rank: no all-to-all runs
+    want = {"ragged": a2a * (8 * E + (k_out + k_in) * H * 8),
+            "padded": a2a * (8 * E + 2 * E * C * H * 8) + (8 if cap is None else 0)}   # + the all-reduce MAX
+    handed = {}
     for path in ("ragged", "padded"):
-        moe = ExpertParallelMoE(H, FFN, E, k, cf, path == "padded", group=group, **kw)
+        moe = ExpertParallelMoE(H, FFN, E, k, cf, padded=path == "padded", **kw)
         moe.router.load_state_dict(router.state_dict())
         moe.experts.load_state_dict(held.state_dict())
         x = X.detach()[mine].clone().requires_grad_()
-        with traffic() as fwd:
-            out = moe(strided(x))                                           # a non-contiguous input
-        with traffic() as bwd:
-            (out * dY[mine]).sum().backward()
-        kept, chosen = moe.stats["keep"], idx[mine]
-        if cap is not None:                     # the rule: at most C per expert, and only a full expert drops
-            per_expert = chosen[kept].bincount(minlength=E)
-            assert per_expert.max() <= cap and bool((per_expert[chosen[~kept]] == cap).all()), f"{path}: rule"
-        assert torch.equal(kept, keep[mine]), f"{path}: dropped other assignments than the reference"
-        assert moe.stats["dropped"] == int((~keep[mine]).sum())
+        with traffic() as t:
+            out = moe(x)
+        (out * dY[mine]).sum().backward()
+        d_router = moe.router.weight.grad.clone()
+        dist.all_reduce(d_router)                       # each rank saw only its own tokens
         torch.testing.assert_close(out, ref[mine])
         torch.testing.assert_close(x.grad, X.grad[mine])
-        for (name, p), p_ref in zip(moe.experts.named_parameters(), held.parameters()):  # no sum over ranks:
-            torch.testing.assert_close(p.grad, p_ref.grad, msg=f"{path}: d expert param {name}")  # all came here
-        d_router.append(moe.router.weight.grad)
-        # forward: counts, dispatch, combine (+ the all-reduce MAX that finds C); backward: combine, dispatch
-        find_C = 8 if path == "padded" and cf is None else 0
-        a2a = 1 if G > 1 else 0                                             # one rank: no all-to-all runs
-        want = {**({"all_to_all": 3} if a2a else {}), **({"all_reduce": 1} if find_C else {})}
-        assert dict(fwd.counts) == want, f"{path}: forward {fwd.counts}"
-        assert dict(bwd.counts) == ({"all_to_all": 2} if a2a else {}), f"{path}: backward {bwd.counts}"
-        assert all(ranks == tuple(members) for _, ranks, _ in fwd.calls + bwd.calls), f"{path}: not on the group"
-        assert fwd.bytes.total() == a2a * (8 * E + rows[path] * H * 8) + find_C, f"{path}: {fwd.bytes} forward"
-        assert bwd.bytes.total() == a2a * rows[path] * H * 8, f"{path}: handed {bwd.bytes} backward"
-        handed[path] = fwd.bytes.total()
+        torch.testing.assert_close(d_router, router.weight.grad)
+        for p, p_ref in zip(moe.experts.parameters(), held.parameters()):  # no sum over ranks: every rank's
+            torch.testing.assert_close(p.grad, p_ref.grad)                  # tokens came here
+        assert moe.stats["dropped"] == int((~keep[mine]).sum()), path
+        handed[path] = t.bytes.total()
+        assert handed[path] == want[path], (path, dict(t.bytes), want)
     assert handed["ragged"] <= handed["padded"], handed
-    d_router = torch.stack(d_router)
-    dist.all_reduce(d_router, group=group)                                  # each rank saw only its own tokens
-    torch.testing.assert_close(d_router, router.weight.grad.expand_as(d_router))
     return handed, dict(C=C, k_out=k_out, k_in=k_in, dropped=int((~keep).sum()))
 
 
-def section_transpose(rank, W, device):
-    head("1. all-to-all is a transpose: block j of rank i becomes block i of rank j")
-    x = torch.tensor([10 * rank + j for j in range(W)], dtype=F64, device=device)  # rank i => [10i, 10i+1, ..]
-    with traffic() as t:
-        y = all_to_all(x)
-    assert torch.equal(y, torch.tensor([10 * i + rank for i in range(W)], dtype=F64, device=device))
-    assert t.bytes["all_to_all"] == (W > 1) * x.nbytes      # handed in: V; on the wire: the W-1 blocks for others
-    assert ring_bytes("all_to_all", x.nbytes, W) == x.nbytes - x[rank].nbytes
-    log_all(f"holds {x.long().tolist()} -> after all-to-all {y.long().tolist()}")  # rank j => [j, 10+j, ..]
-
-
-def section_ragged(device, groups):
-    head("2. ragged all-to-all and its backward: the gradient's blocks travel back transposed")
-    split = lambda i, j: (i + 2 * j) % 3                                     # rows rank i sends rank j (some 0)
-    for group in groups:
-        members, G, r = members_of(group)
-        torch.manual_seed(2)
-        ints = lambda rows: torch.randint(-9, 10, (rows, H), device=device).to(F64)
-        xs = [ints(sum(split(i, j) for j in range(G))) for i in range(G)]   # every rank's input, on every rank
-        gs = [ints(sum(split(i, j) for i in range(G))) for j in range(G)]   # every rank's upstream gradient
-        x = xs[r].clone().requires_grad_()
-        with traffic() as t:
-            y = all_to_all(strided(x), [split(i, r) for i in range(G)], [split(r, j) for j in range(G)], group)
-            y.backward(gs[r])
-        expected = torch.cat([xs[i].split([split(i, j) for j in range(G)])[r] for i in range(G)])
-        assert torch.equal(y, expected), "a block landed in the wrong place"
-        back = torch.cat([gs[j].split([split(i, j) for i in range(G)])[r] for j in range(G)])
-        assert torch.equal(x.grad, back), "a gradient block went back to the wrong place"
-        assert t.calls == ([("all_to_all", tuple(members), x.nbytes), ("all_to_all", tuple(members), y.nbytes)]
-                           if G > 1 else []), t.calls
-    log("rank i sends rank j (i+2j)%3 rows: blocks land transposed, gradients go back transposed, one all-to-all")
-    log("each way; on the world and the even / odd sub-groups, from a non-contiguous input")
-
-
-def section_round_trip(device, groups):
-    head("3. round trip: identity experts, gates 1/k: combine(dispatch(x)) == x")
-    k = 2
-    for group in groups:
-        members, G, r = members_of(group)
-        torch.manual_seed(3)
-        X = torch.randn(dist.get_world_size(), N, H, dtype=F64, device=device)[members]
-        idx = torch.rand(G, N, E, device=device).argsort(-1)[..., :k]     # k distinct experts per token
-        x, g = X[r].clone().requires_grad_(), torch.randn_like(X[r])
-        L = E // G
-        for padded in (False, True):
-            x.grad, experts = None, [CountingIdentity() for _ in range(L)]
-            out, _ = moe_all_to_all(strided(x), idx[r], torch.full(idx[r].shape, 1 / k, dtype=F64, device=device),
-                                    experts, E, padded=padded, group=group)
-            out.backward(g)
-            assert torch.equal(out, x) and torch.equal(x.grad, g), f"round trip padded={padded}"
-            routed = [int((idx == r * L + l).sum()) for l in range(L)]      # every rank's rows for my experts
-            assert [ex.rows for ex in experts] == routed, f"padded={padded}: experts ran on padding rows"
-    log(f"k={k}, {N} tokens per rank, {E} experts: out == x and dx == upstream grad, exactly, ragged and padded, "
-        f"world and sub-groups; each expert ran on exactly the rows routed to it, no padding row")
-
-
-def section_moe(W, device, groups):
-    head("4. MoE layer, expert parallel == one process (output, d input, d router, d every expert)")
-    runs = {k: moe_against_one_process(k, None, None, device) for k in (1, 2)}
-    for k in (1, 2):
-        log(f"k={k}: {E} experts, {E // W} per rank, {W * N} tokens: equal for the ragged and the padded path")
-    moe_against_one_process(2, None, groups[1], device)
-    log(f"k=2 on the even / odd ranks as sub-groups ({E // len(members_of(groups[1])[0])} experts per rank): equal")
-
-    head("5. capacity: assignments beyond C per expert per rank are dropped")
-    for k, group in ((1, None), (2, None), (2, groups[1])):
-        _, route = moe_against_one_process(k, 0.5, group, device)
-        if group is None:
-            log(f"k={k}, capacity factor 0.5 -> C={route['C']}: {route['dropped']} of {W * N * k} assignments "
-                f"dropped, by the rule, as the reference; both paths equal")
-    log("k=2, cf 0.5 on the sub-groups: the same")
-    return runs
-
-
-def section_bytes(W, runs):
-    head("6. bytes each rank hands the collectives in one forward, counted by traffic()")
-    log("in every run above: padded == 8E + 2*E*C*h*b (+8 for MAX), ragged == 8E + (K_out+K_in)*h*b <= padded; "
-        "backward == the same rows")
-    handed, route = runs[2]
-    if W == 1:
-        return log("one rank: no all-to-all runs; the padded path hands only its 8 B all-reduce MAX")
-    pad, rag, C = handed["padded"], handed["ragged"], route["C"]
-    log_all(f"k=2: padded {pad:5d} B (C={C}: {E * C} rows each way) | ragged {rag:5d} B "
-            f"({route['k_out']} rows dispatched, {route['k_in']} returned) = {rag / max(pad, 1):.0%}")
-
-
-def section_refusals(W, device):
-    head("7. misuse is refused on every rank with one ValueError, before any message")
-    z = lambda *shape, dtype=F64: torch.zeros(shape, dtype=dtype, device=device)
-    x, x_odd, idx, gates, ids = z(2 * W, H), z(2 * W + 1, H), z(N, 2, dtype=torch.long), z(N, 2), [nn.Identity()]
-    bad = {"a split list of W+1 sizes": ("input_split_sizes=", lambda: all_to_all(x, [2] * W + [0], [2] * W + [0])),
-           "a negative split": ("output_split_sizes=", lambda: all_to_all(x, [-1] + [2] * (W - 1), [2] * W)),
-           "input splits not summing to x's rows": ("input_split_sizes=", lambda: all_to_all(x_odd, [2] * W, [2] * W)),
-           "one split list of two": ("pass both", lambda: all_to_all(x, None, [2] * W)),
-           "E/W + 1 local experts": ("num_experts=", lambda: moe_all_to_all(x[:N], idx, gates, ids * (E // W + 1), E)),
-           "gates [N, 1] for expert_idx [N, 2]":
-               ("expert_idx ", lambda: moe_all_to_all(z(N, H), idx, gates[:, :1], ids * (E // W), E)),
-           "routing for N-1 tokens":
-               ("expert_idx ", lambda: moe_all_to_all(z(N, H), idx[1:], gates[1:], ids * (E // W), E)),
-           "k=0": ("k=0 ", lambda: ExpertParallelMoE(H, FFN, E, k=0)),
-           f"k={E + 1}": (f"k={E + 1} ", lambda: ExpertParallelMoE(H, FFN, E, k=E + 1)),
-           "capacity factor 0": ("capacity_factor=0 ", lambda: ExpertParallelMoE(H, FFN, E, capacity_factor=0))}
-    if W > 1:                                           # sizes that only W > 1 cannot divide
-        bad.update({"2W+1 rows in equal blocks": (f"x has {2 * W + 1} rows", lambda: all_to_all(x_odd)),
-                    "2W+1 experts to moe_all_to_all":
-                        (f"num_experts={2 * W + 1} ", lambda: moe_all_to_all(z(N, H), idx, gates, ids * 2, 2 * W + 1)),
-                    "2W+1 experts to the layer":
-                        (f"num_experts={2 * W + 1} ", lambda: ExpertParallelMoE(H, FFN, 2 * W + 1))})
-    for what, (says, call) in bad.items():             # each message starts with what was wrong
-        said = refused(call)
-        assert said.startswith(says), (what, said)
-    log(f"{len(bad)} misuses refused, nothing sent: split lists (count, sign, sum, only one), experts per rank, "
-        f"routing shapes, k, capacity factor" + (", sizes W does not divide" if W > 1 else ""))
-
-
 def main():
+    from common import finish, head, launched_world_size, log, log_all, refuse, setup, traffic
     W = launched_world_size()
     if E % W:
         refuse(f"{E} experts cannot be spread evenly over {W} ranks; use a world size dividing {E} (1, 2, 4, 8)")
     rank, W, device = setup()
-    groups = [None, strided_groups(2)[rank % 2][0]]    # the world; {0, 2, ..} or {1, 3, ..}: group rank != rank
-    section_transpose(rank, W, device)
-    section_ragged(device, groups)
-    section_round_trip(device, groups)
-    runs = section_moe(W, device, groups)
-    section_bytes(W, runs)
-    section_refusals(W, device)
+    f64 = dict(dtype=torch.float64, device=device)
+
+    head("1. all-to-all is a transpose: block j of rank i becomes block i of rank j")
+    x = torch.tensor([10 * rank + j for j in range(W)], **f64)             # rank i => [10i, 10i+1, ..]
+    with traffic() as t:
+        y = all_to_all(x)
+    assert torch.equal(y, torch.tensor([10 * i + rank for i in range(W)], **f64))
+    assert t.bytes["all_to_all"] == (W > 1) * x.nbytes  # handed in: V; on the wire: the W-1 blocks for others
+    log_all(f"holds {x.long().tolist()} -> after all-to-all {y.long().tolist()}")  # rank j => [j, 10+j, ..]
+
+    head("2. ragged all-to-all and its backward: the gradient's blocks travel back transposed")
+    split = lambda i, j: (i + 2 * j) % 3                # rows rank i sends rank j (some 0)
+    torch.manual_seed(2)
+    ints = lambda rows: torch.randint(-9, 10, (rows, H), **f64)
+    xs = [ints(sum(split(i, j) for j in range(W))) for i in range(W)]       # every rank's input, on every rank
+    gs = [ints(sum(split(i, j) for i in range(W))) for j in range(W)]       # every rank's upstream gradient
+    x = xs[rank].clone().requires_grad_()
+    y = all_to_all(x, [split(i, rank) for i in range(W)], [split(rank, j) for j in range(W)])
+    y.backward(gs[rank])
+    assert torch.equal(y, torch.cat([xs[i].split([split(i, j) for j in range(W)])[rank] for i in range(W)]))
+    assert torch.equal(x.grad, torch.cat([gs[j].split([split(i, j) for i in range(W)])[rank] for j in range(W)]))
+    log("rank i sends rank j (i+2j)%3 rows: the blocks land transposed, the gradient's blocks go back transposed")
+
+    head("3. MoE layer, expert parallel == one process (output, d input, d router, d every expert)")
+    handed, route = moe_against_one_process(2, None, device)
+    log(f"k=2, {E} experts, {E // W} per rank, {W * N} tokens: equal for the ragged and the padded path")
+    if W > 1:
+        log_all(f"forward hands: padded {handed['padded']:5d} B = 8E + 2*E*C*h*8 + 8 (C={route['C']}) | ragged "
+                f"{handed['ragged']:5d} B = 8E + (K_out+K_in)*h*8 ({route['k_out']} rows out, {route['k_in']} in)")
+
+    head("4. capacity: assignments beyond C per expert per rank are dropped")
+    _, route = moe_against_one_process(2, 0.5, device)
+    log(f"k=2, capacity factor 0.5 -> C={route['C']}: {route['dropped']} of {W * N * 2} assignments dropped, by "
+        f"the rule, as the reference; both paths equal")
     finish("all-to-all transposes, its backward swaps the splits; the expert-parallel MoE equals one process "
-           "(k=1,2, padded and ragged, with drops, on the world and sub-groups); ragged moves only the routed rows")
+           "(k=2, padded and ragged, with and without drops); the bytes handed == the docstring's formulas")
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def check_refusals(W, device, groups):
         members, G, r = members_of(group)
         for dim in (0, 1, -1):
             shape = [2, 3, 5]
-            for n in (4 * G - 1, 4 * G, 4 * G + 1):
+            for n in (G - 1, G, G + 1, 4 * G - 1, 4 * G, 4 * G + 1):   # around the smallest length and another
                 shape[dim] = n
                 x = torch.ones(shape, dtype=torch.float64, device=device)
                 call = lambda: m.reduce_scatter_to_sequence_parallel_region(x, group, dim=dim)
@@ -187,7 +187,7 @@ def check_refusals(W, device, groups):
         if G > 1:
             assert refused(lambda: m._divide("n", 4 * G + 1, group)) == f"n={4 * G + 1} is not divisible by the " \
                                                                           f"group size {G}"
-    log(f"dims 0, 1, -1, world and sub-groups: 4G passes, 4G-1 and 4G+1 refused in one line, nothing sent"
+    log(f"dims 0, 1, -1, world and sub-groups: G and 4G pass, G-1, G+1, 4G-1, 4G+1 refused in one line, nothing sent"
         + (f" ({shown})" if shown else " (one rank: nothing to refuse)"))
 
 
