@@ -31,8 +31,7 @@ gradient left; the first stage sends no gradient, the last no activation); ring 
 both neighbours, 2V; with a shape header, 8 * (MAX_NDIM + 1) bytes more per message.
 
 Run:  torchrun --nproc-per-node=4 01_p2p.py
-tests/check_01.py proves beyond this: every order replayed (all-sends-first deadlocks, W = 2..8) and the one p2p_ops
-posts; sub-groups, non-contiguous views, bf16 and int64; the refusals at their boundary.
+tests/check_01.py proves beyond it: orders replayed (W = 2..8), sub-groups, strided views, bf16/int64, refusals.
 """
 import torch
 import torch.distributed as dist
