@@ -1,5 +1,6 @@
-"""What this proves beyond 03's lesson, on the world and on a sub-group whose group rank is not the global rank
-({0, 2, ..} and {1, 3, ..}), from non-contiguous inputs, in float64 and bf16 (integer values: every sum exact):
+"""What this proves beyond 03's lesson, on the world and (from 3 ranks) on a sub-group whose group rank is not the
+global rank ({0, 2, ..} and {1, 3, ..}), from non-contiguous inputs, in float64 and bf16 (integer values, every sum
+exact):
 - ring_all_reduce for V divisible by W, V % W != 0 and V < W: == the sum == dist.all_reduce, the input left as it
   was, outside autograd, every post on the group; each phase sends every chunk but one, to the byte, (W-1)/W * V
   within an element; its post order completes when replayed as blocking sends, every rank sending first (or
@@ -67,7 +68,7 @@ def check_ring(rank, W, device, groups):
     head("ring all-reduce: V % W != 0, V < W, sub-groups, bf16; bytes per phase; post order as blocking sends")
     torch.manual_seed(2)
     runs = [(torch.float64, group, shape) for group in groups for shape in [(W, 3), (3 * W + 1,), (1,)]]
-    for dtype, group, shape in runs + [(torch.bfloat16, groups[1], (3 * W + 1,))]:
+    for dtype, group, shape in runs + [(torch.bfloat16, groups[-1], (3 * W + 1,))]:
         # in the odd group global rank 3 is group rank 1; world: V divisible by W; V not (W > 1); V < W
         lo = 50 if dtype == torch.float64 else 8    # bf16: every partial sum an integer <= 8W, exact
         members, G, r = members_of(group)
@@ -115,7 +116,7 @@ def check_all_reduce(rank, W, device, groups, funcol):
     summed = lambda Xd: Xd.sum(0, keepdim=True).expand_as(Xd)
     g = m.reduce_from_tensor_model_parallel_region
     fg = lambda t, group: m.copy_to_tensor_model_parallel_region(g(t, group), group)
-    for dtype, group in ((torch.float64, groups[0]), (torch.float64, groups[1]), (torch.bfloat16, groups[1])):
+    for dtype, group in [(torch.float64, g) for g in groups] + [(torch.bfloat16, groups[-1])]:
         members, G, r = members_of(group)
         Xt, Yt = X.to(dtype), Y.to(dtype)
         torch_ar = (lambda t: funcol.all_reduce(t, "sum", group or dist.group.WORLD)) if funcol else None
@@ -134,7 +135,7 @@ def check_all_reduce(rank, W, device, groups, funcol):
 def check_gather_scatter(rank, W, device, groups, funcol):
     head("all-gather / reduce-scatter regions: dims 0, 1, 2, -1, sub-groups, bf16, torch's own, async_op")
     torch.manual_seed(4)
-    for dtype, group in ((torch.float64, groups[0]), (torch.float64, groups[1]), (torch.bfloat16, groups[1])):
+    for dtype, group in [(torch.float64, g) for g in groups] + [(torch.bfloat16, groups[-1])]:
         members, G, r = members_of(group)
         pg = group or dist.group.WORLD
         ints = lambda *shape: torch.randint(-9, 10, shape, device=device).to(dtype)
@@ -193,7 +194,9 @@ def check_refusals(W, device, groups):
 
 def main():
     rank, W, device = setup()
-    groups = [None, strided_groups(2)[rank % 2][0]]    # the world; {0, 2, ..} or {1, 3, ..}: group rank != rank
+    # the world, and {0, 2, ..} or {1, 3, ..} where group rank != rank (at W <= 2 a sub-group of one rank would
+    # repeat the 1-rank run): bf16 runs on the last of them
+    groups = [None] + ([strided_groups(2)[rank % 2][0]] if W > 2 else [])
     funcol = torch_functional_collectives()
     check_ring(rank, W, device, groups)
     check_all_reduce(rank, W, device, groups, funcol)
