@@ -165,7 +165,7 @@ class DDP(nn.Module):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b))
         for g, options in enumerate(optimizer.param_groups):  # your optimizer now steps the buckets' tensors
             options["params"] = [b.opt for (h, _), b in zip(runs, self.buckets) if h == g]
-        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_pre_hook(lambda *_: self._unreduced("optimizer.step()"))
         optimizer.register_step_post_hook(self._after_step)
         optimizer.register_state_dict_post_hook(self._save_extras)
         optimizer.register_load_state_dict_pre_hook(self._load_extras)
@@ -279,9 +279,6 @@ class DDP(nn.Module):
             b.grad = b.opt.grad = None
 
     # -- your optimizer's step, hooked --------------------------------------------------------------------------
-    def _before_step(self, optimizer, args, kwargs):
-        self._unreduced("optimizer.step()")
-
     def _after_step(self, optimizer, args, kwargs):
         for b in self.buckets:
             if b.opt is not b.local:
@@ -398,7 +395,8 @@ class ZeRO2(DDP):
 
     def _finish(self, b):
         b.work.wait()
-        self._hand_over(b, b.out.div_(self.world))  # the full-size b.grad is dropped
+        mean, b.out = b.out.div_(self.world), None
+        self._hand_over(b, mean)  # the full-size b.grad is dropped
 
     def _after_step(self, *args):
         super()._after_step(*args)
@@ -425,7 +423,7 @@ class ZeRO3(ZeRO2):
             needs = [b for b in self.buckets if any(id(p) in owned for p in b.params)]
             if needs:
                 m.register_forward_pre_hook(functools.partial(self._before_forward, needs))
-                m.register_forward_hook(functools.partial(self._after_forward, needs))
+                m.register_forward_hook(functools.partial(self._after_forward, needs), always_call=True)
                 for b in needs:
                     b.users += 1
         self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -455,10 +453,12 @@ class ZeRO3(ZeRO2):
 
     # -- forward: gather before a module, free after the last module using the bucket -----------------------------
     def _before_forward(self, needs, module, args):
+        self._saving.__enter__()  # (the module's own too: run alone, as a pipeline's W may run it again)
         for b in needs:
             self._gather(b)
 
     def _after_forward(self, needs, module, args, out):
+        self._saving.__exit__(None, None, None)
         for b in needs:
             b.ran += 1
             if b.ran == b.users:  # every module that uses b has run (a tied weight's: both)
