@@ -148,8 +148,8 @@ def test_bench_runs_small(script):
 
 
 # ---- README's commands, as written there ------------------------------------------------------------------
-README_RUN = re.compile(r"^(?:((?:[A-Z_]+=\S+ )*)torchrun (?:--standalone )?--nproc-per-node=(\d+) (\S+\.py)|python (\S+\.py))",
-                        re.M)
+README_RUN = re.compile(r"^(?:((?:[A-Z_]+=\S+ )*)torchrun (?:--standalone )?--nproc-per-node=(\d+) (\S+\.py)"
+                        r"|python (\S+\.py))", re.M)
 
 
 def readme_commands():
@@ -477,8 +477,8 @@ def test_trace_merge_puts_ranks_with_different_clocks_on_one_timeline():
 
 def test_ring_bytes_are_nccl_tests_bus_factors():
     """common.ring_bytes(op, 1, W) is the bus-bandwidth factor nccl-tests' doc/PERFORMANCE.md gives for each op
-    (03's BENCH divides by it): all_reduce 2(n-1)/n, reduce_scatter, all_gather and all_to_all (n-1)/n,
-    broadcast 1."""
+    (bench/03_bandwidth.py multiplies algbw by it): all_reduce 2(n-1)/n, reduce_scatter, all_gather and
+    all_to_all (n-1)/n, broadcast 1."""
     sys.path.insert(0, str(HERE))
     import common
     from fractions import Fraction
