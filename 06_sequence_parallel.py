@@ -474,7 +474,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, is_causal, group, fused):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        block, _ = _block_kernels(q, fused)
+        block, ctx.block_backward = _block_kernels(q, fused)                 # fused kernel or explicit block
         kv = torch.stack([k, v])                                             # [2, b, h_kv, n, d]: what travels
         # step t: this rank holds the K, V of rank r - t, posts them on to r + 1, and attends to them meanwhile
         for step in range(size):
@@ -491,36 +491,36 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_next()                                               # (the K, V sent are let go of)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.is_causal, ctx.group, ctx.fused = is_causal, group, fused
+        ctx.is_causal, ctx.group = is_causal, group
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        # A block's backward needs only the FINAL out and lse of its query rows, which forward kept: its dq is
-        # added here; its dK, dV are added to the sum that follows that K, V block round the ring one step
-        # behind it, collecting every rank's share on the way, and reaches home one hop after the last step:
+        # A block's backward needs only the FINAL out and lse of its rows (forward kept them). dq stays here; dK, dV
+        # join a sum that follows their K, V round the ring a step behind, home one hop after the last step:
         #      step 0          step 1          step 2          one hop more         (P = 3)
         #  R0  dKV0 += R0's    dKV2 += R0's    dKV1 += R0's    dKV0 (R0, R1, R2) home
         #  R1  dKV1 += R1's    dKV0 += R1's    dKV2 += R1's    dKV1 (R1, R2, R0) home
         #  R2  dKV2 += R2's    dKV1 += R2's    dKV0 += R2's    dKV2 (R2, R0, R1) home
         q, k, v, out, lse = ctx.saved_tensors
-        group, size, rank = ctx.group, dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        _, block_backward = _block_kernels(q, ctx.fused)
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         acc, scale = torch.promote_types(q.dtype, torch.float32), q.shape[-1] ** -0.5   # dq, dK, dV sums: fp32+
-        dq, dout = torch.zeros(q.shape, dtype=acc, device=q.device), dout.to(q.dtype)
-        kv = torch.stack([k, v])
+        dq, dout, kv = torch.zeros(q.shape, dtype=acc, device=q.device), dout.to(q.dtype), torch.stack([k, v])
         for step in range(size):
-            # K, V of rank r - step are here; the sum of their dK, dV so far is on its way from rank r - 1
-            kv_next = _ring_exchange(kv, group) if step < size - 1 else None
+            # 1. the K, V of rank r - step are here: post them on to r + 1 (they travel while this block computes)
+            kv_next = _ring_exchange(kv, ctx.group) if step < size - 1 else None
+            # 2. this block's dq, dk, dv, by the kernel's backward from the final out and lse
             rows, cols, causal = _step_block(rank, (rank - step) % size, q.shape[2], ctx.is_causal)
-            dq_b, dk_b, dv_b = block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                              out[:, :, rows], lse[:, :, rows], causal, scale, ctx.rest)
+            dq_b, dk_b, dv_b = ctx.block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                                                  kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal,
+                                                  scale, ctx.rest)
+            # 3. dq stays; dk, dv join the sum of the ranks this K, V visited before, which moves on with it
             dq[:, :, rows].add_(dq_b)
             dkv = dkv_next() if step else torch.zeros(kv.shape, dtype=acc, device=q.device)
             dkv[0][:, :, cols].add_(dk_b)
             dkv[1][:, :, cols].add_(dv_b)
             del dq_b, dk_b, dv_b
-            dkv_next = _ring_exchange(dkv, group)                            # on to r + 1; after the last step: home
+            dkv_next = _ring_exchange(dkv, ctx.group)                        # to r + 1; after the last step: home
             if kv_next:
                 kv = kv_next()
         dk, dv = dkv_next()                                                  # this rank's own K, V's, every share in
