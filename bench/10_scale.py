@@ -1,0 +1,148 @@
+"""10's closed forms at scale: for a Llama-shaped model on a dp x pp x tp grid, the bytes each rank sends in one
+step, per group, with the seconds at given link speeds, and the bytes it holds at its peak under ZeRO-1, 2 and 3.
+
+    torchrun --nproc-per-node=1 bench/10_scale.py                         (Llama 3 70B on dp 16 x pp 8 x tp 8)
+    torchrun --nproc-per-node=1 bench/10_scale.py hidden=4096 heads=32 ffn=14336 layers=32 pp=4 dp=32  (Llama 3 8B)
+    (key=value pairs, or SCALE="key=value,..."; the keys and defaults: 10_3d_parallel.py's SCALE; ZERO=3: ZeRO-3)
+
+10_3d_parallel.py states the forms in its docstring and asserts step_traffic against the collectives a toy Llama
+issues, to the byte; tests/check_10.py asserts the bytes it holds against step_memory below. Here they are only
+evaluated (a calculator: nothing is timed, so BENCH_SMALL=1 changes nothing). Asserted in both modes: the table's
+TP, PP and DP bytes equal the docstring's per-step sums, written out again here; each seconds figure is its bytes
+over its link's speed; a model shaped as a published Llama has its published parameter count, within 0.5 %.
+"""
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import finish, head, log, refuse, setup  # noqa: E402
+from tests.tools import lesson  # noqa: E402
+
+ten = lesson("10_3d_parallel.py")
+PUBLISHED = {  # the parameter counts their model cards give, and the shapes that make them
+    "Llama 3.2 1B": (1.24e9, dict(hidden=2048, heads=32, kv_heads=8, ffn=8192, layers=16, vocab=128256, tied=1)),
+    "Llama 3.2 3B": (3.21e9, dict(hidden=3072, heads=24, kv_heads=8, ffn=8192, layers=28, vocab=128256, tied=1)),
+    "Llama 3 8B": (8.03e9, dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=32, vocab=128256, tied=0)),
+    "Llama 3 70B": (70.6e9, ten.LLAMA3_70B),
+    "Llama 3 405B": (405e9, dict(hidden=16384, heads=128, kv_heads=8, ffn=53248, layers=126, vocab=128256, tied=0))}
+
+
+def scale_config(pairs):
+    """10's SCALE updated by key=value pairs, or (None, one line naming the first bad one): sizes and bytes are
+    whole numbers >= 1 (tied 0 or 1), bandwidths and bucket_mb numbers > 0; tp divides what it splits, pp the
+    layers, heads the hidden size and K/V heads the heads."""
+    c = dict(ten.SCALE)
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if key not in c or not eq:
+            return None, (f"{pair!r} is not key=value with a key of {', '.join(ten.SCALE)}"
+                          + (" (README's '...' stands for more of them)" if "..." in pair else ""))
+        real = isinstance(ten.SCALE[key], float)
+        try:
+            number = float(value) if real else int(value) if value.isdigit() else -1
+        except ValueError:
+            number = math.nan
+        low, high = (0, 1) if key == "tied" else (1, math.inf)
+        if not (0 < number < math.inf if real else low <= number <= high):
+            rule = "a number > 0" if real else "0 or 1" if key == "tied" else "a whole number >= 1"
+            return None, f"{key}={value}: {key} is {rule} (default {key}={ten.SCALE[key]:g})"
+        c[key] = number
+    split = [f"{k}={c[k]}" for k in ("hidden", "heads", "kv_heads", "ffn", "seq", "vocab") if c[k] % c["tp"]]
+    if split:
+        return None, f"tp={c['tp']} does not divide {', '.join(split)}: tensor parallelism splits them"
+    for part, whole in (("pp", "layers"), ("heads", "hidden"), ("kv_heads", "heads")):
+        if c[whole] % c[part]:
+            return None, f"{part}={c[part]} does not divide {whole}={c[whole]}"
+    return c, None
+
+
+def step_memory(c, stage, zero, numel=None):
+    """{what: bytes one rank of stage `stage` holds at its peak} under ZeRO-1, 2 or 3 as 09 runs them, the m
+    micro-batches added up under no_sync (10's docstring); numel: the stage's bucketed elements (default:
+    stage_numel's); c["act"]: one layer's activations of one micro-batch."""
+    numel = ten.stage_numel(c, stage) if numel is None else numel
+    shard, ep, eg, last = -(-numel // c["dp"]), c["ep"], c["eg"], stage == c["pp"] - 1
+    return {"parameters": (shard if zero == 3 else numel) * ep,
+            "gathered": 2 * min(c["bucket_mb"] * 2 ** 20 // eg, numel) * ep if zero == 3 else 0,   # ZeRO-3: in use
+            "gradients": (numel + shard) * eg,                        # the stage's, added up; the reduced shard
+            "optimizer": shard * (2 * eg + (4 if ep < 4 else 0)),     # two moments (+ an fp32 master)
+            "activations": min(c["pp"] - stage, c["m"]) * c["layers"] // c["pp"] * c["act"],
+            "logits": last * 2 * c["seq"] * c["micro"] * c["vocab"] // c["tp"] * c["e"]}   # and their gradient
+
+
+def activations(c):
+    """Bytes one layer keeps for backward from one micro-batch on one TP rank (SP, a flash attention kernel: no
+    s^2 term): per token s*b/t, the norms' inputs and the column layers' gathered slices (4h), q, k, v with the
+    fused qkv output they view and the attention output twice (4H + 3H_kv heads of d), gate, up, silu(gate) and
+    their product (4 ffn), in e bytes."""
+    d = c["hidden"] // c["heads"]
+    return c["seq"] * c["micro"] // c["tp"] * c["e"] * (4 * c["hidden"] + (4 * c["heads"] + 3 * c["kv_heads"]) * d
+                                                         + 4 * c["ffn"])
+
+
+def docstring_sums(c, stage, zero, numel):
+    """The bytes one step sends per group, from 10's docstring's sentences, summed by hand: TP 10 (t-1)/t A a layer
+    and micro-batch, +2 (t-1)/t A (embedding) or +3 (t-1)/t A and the loss's 3 fp32 a token over t (head), the
+    norms' all-reduce; PP A/t each way; DP a reduce-scatter of the gradients, all-gathers of the parameters."""
+    t, pp, m, dp, h = c["tp"], c["pp"], c["m"], c["dp"], c["hidden"]
+    A, first, last, per = c["micro"] * c["seq"] * h * c["e"], stage == 0, stage == pp - 1, c["layers"] // pp
+    tp = (t - 1) / t * m * A * (10 * per + 2 * first + 3 * last) + last * m * (t - 1) * 3 * c["micro"] * c["seq"] * \
+        max(c["e"], 4) + 2 * (t - 1) / t * (2 * h * per + last * h) * c["eg"]
+    pipe = (2 - first - last) * m * A / t if pp > 1 else 0
+    data = (dp - 1) / dp * numel * (c["eg"] + (2 * m if zero == 3 else 1) * c["ep"])
+    embedding = c["tied"] * (first or last) * (pp > 1) * c["vocab"] // t * h * c["eg"]
+    return {"tp": tp, "pp": pipe, "dp": data, "embedding": embedding}
+
+
+def main():
+    zero = os.environ.get("ZERO", "").strip() or "2"
+    c, bad = scale_config(os.environ.get("SCALE", "").replace(",", " ").split() + sys.argv[1:])
+    if bad or zero not in ("2", "3"):
+        refuse(bad or f"ZERO={zero!r}: give 2 (ZeRO-2, the default) or 3")
+    setup()
+    zero = int(zero)
+    head(f"10's forms at scale: hidden {c['hidden']}, {c['layers']} layers, {c['heads']}/{c['kv_heads']} heads, ffn "
+         f"{c['ffn']}, seq {c['seq']}, vocab {c['vocab']}, {c['m']} micro-batches of {c['micro']}, dp {c['dp']} x pp "
+         f"{c['pp']} x tp {c['tp']}")
+    total = ten.stage_numel({**c, "tp": 1, "pp": 1}, 0)
+    named = [name for name, (_, shape) in PUBLISHED.items() if all(c[k] == v for k, v in shape.items())]
+    for name in named:                              # SwiGLU's 3 matrices, GQA's K/V, the head tied or not
+        assert abs(total / PUBLISHED[name][0] - 1) < 0.005, (name, total)
+    log(f"{total:,} parameters" + "".join(f" ({n}: published {PUBLISHED[n][0] / 1e9:g}B)" for n in named)
+        + f"; bytes an element: activations {c['e']}, gradients {c['eg']}, parameters {c['ep']}")
+    stages, cap = sorted({0, c["pp"] - 1}), int(c["bucket_mb"] * 2 ** 20 // c["eg"])   # a bucket's elements
+    link = {"tp": c["nvlink_GBps"], "pp": c["ib_GBps"], "dp": c["ib_GBps"], "embedding": c["ib_GBps"]}
+    tables = []
+    for s in stages:
+        full, rest = divmod(ten.stage_numel(c, s), cap)                 # buckets of bucket_mb, the last one short
+        buckets = [-(-n // c["dp"]) * c["dp"] for n in [cap] * full + [rest] * bool(rest)]   # padded, as 09's
+        by = {}
+        for (kind, _), (n, b) in ten.step_traffic({**c, "zero": zero, "buckets": buckets}, s).items():
+            by[kind] = (by.get(kind, (0, 0))[0] + n, by.get(kind, (0, 0))[1] + float(b))
+        sums = docstring_sums(c, s, zero, sum(buckets))
+        assert all(math.isclose(by.get(k, (0, 0))[1], v, rel_tol=1e-9, abs_tol=1) for k, v in sums.items()), (by, sums)
+        tables.append({k: (n, b, b / 1e9 / link[k]) for k, (n, b) in by.items()})
+    assert all(math.isclose(b / 1e9 / sec, link[k]) for tab in tables for k, (_, b, sec) in tab.items() if b)
+    log(f"ZeRO-{zero:<5} " + " ".join(f"{f'stage {s}: calls':>15} {'GB sent':>8} {'seconds':>8}" for s in stages))
+    for kind in sorted(set().union(*tables)):
+        log(f"{kind:10} " + " ".join(f"{n:>15} {b / 1e9:>8.2f} {sec:>8.3f}" for n, b, sec in
+                                     (tab.get(kind, (0, 0, 0)) for tab in tables)))
+    log(f"seconds if nothing overlaps, TP at {c['nvlink_GBps']:g} GB/s (NVLink), the others {c['ib_GBps']:g} GB/s; "
+        f"TP sits on every layer's critical path, DP can hide behind backward")
+    act, cols = activations(c), ("parameters", "gathered", "gradients", "optimizer", "activations", "logits")
+    log(f"GB held at the peak; activations {act / 1e6:.0f} MB a layer and micro-batch (flash attention: no s^2 term)")
+    log(f"{'':7} " + " ".join(f"stage {s}: " + " ".join(f"{k[:6]:>6}" for k in cols) + f" {'total':>6}"
+                              for s in stages))
+    for z in (1, 2, 3):
+        log(f"ZeRO-{z:<2} " + " ".join(" " * 9 + " ".join(f"{m[k] / 1e9:>6.1f}" for k in cols) +
+                                      f" {sum(m.values()) / 1e9:>6.1f}"
+                                      for m in (step_memory({**c, "act": act}, s, z) for s in stages)))
+    log(f"not counted: one layer's all-gathered input and temporaries, P2P messages in flight (A/t each), the "
+        f"allocator's slack; ZeRO-2/3 keep the whole gradient while {c['m']} micro-batches add up")
+    finish("the bytes sent == the docstring's sums, each seconds figure == bytes / link speed"
+           + (f", {' and '.join(named)}'s published parameter count" if named else ""))
+
+
+if __name__ == "__main__":
+    main()

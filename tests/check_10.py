@@ -1,0 +1,385 @@
+"""What this proves beyond 10's lesson, for its Llama (GQA, SwiGLU, RoPE) on dp x pp x tp grids:
+- the closed forms count real modules: stage_numel == the toy Llama's parameters (tied and untied) and every
+  rank's bucket; published Llamas (3.2 1B and 3B, 3 8B, 70B, 405B) within 0.5 %;
+- every grid that fits W: each rank in one group of each kind, each group varying one coordinate in order, the
+  embedding group = first + last stage (a middle stage is in none); the default grids written out; Grid's and
+  LlamaStage's refusals, the scale calculator's (bench/10_scale.py) at their boundaries;
+- 06's SP MLP block inside 09's DDP, ZeRO-2 and ZeRO-3 on tp x dp: 3 AdamW steps == one process in fp64, fp32,
+  bf16; ZeRO's parameter and optimizer bytes == the closed forms in each dtype;
+- grids the lesson does not run (middle stages at 4 and 8 ranks, ZeRO-3, the untied and the tied head), in
+  float64 == one process: every gradient shard before the DP reduction, the loss each step, every parameter
+  after; every column layer adds dW into main_grad itself in every backward; one step's traffic == the closed
+  forms (a middle stage joins no tied-weight all-reduce); in bf16 (fp32 gradients and master) with e = 2,
+  eg = 4, ep = 2; the bytes each rank holds == step_memory: parameters, gradients (the stage's summed over the
+  micro-batches, then the reduced shard), AdamW's state and fp32 masters, activations min(pp - p, m) x one.
+The joint runs at 3 and 4 ranks (dp 3; tp 2 x dp 2), the rest at every world size. GRID=dpxppxtp trains that grid
+alone (float64, ZeRO-2, tied; refused in one line if it does not fit).
+"""
+import contextlib
+import copy
+import importlib
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from common import finish, head, launched_world_size, log, pg_timeout, refuse, setup, traffic  # noqa: E402
+from tests.tools import held_bytes, lesson, refused  # noqa: E402
+
+ten = lesson("10_3d_parallel.py")
+calc = importlib.import_module("bench.10_scale")
+seq_par, data_par = lesson("06_sequence_parallel.py"), lesson("09_ddp_zero2.py")
+F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
+HYPER = ten.HYPER
+# (grid, zero, tied, dtype) trained at each world size: what the lesson (its default grid, ZeRO-2, tied) does not
+RUNS = {1: [((1, 1, 1), 3, 0, F64), ((1, 1, 1), 2, 1, BF16)],
+        2: [((2, 1, 1), 3, 0, F64), ((1, 2, 1), 2, 1, BF16)],
+        3: [((3, 1, 1), 3, 1, F64), ((3, 1, 1), 2, 0, BF16)],
+        4: [((1, 4, 1), 2, 1, F64), ((2, 2, 1), 3, 0, F64), ((2, 1, 2), 3, 1, BF16)],
+        8: [((1, 4, 2), 3, 1, F64), ((2, 2, 2), 2, 0, BF16)]}
+
+
+def fitting_grids(world):
+    """Every dp x pp x tp of `world` the toy Llama takes: tp divides K/V heads, seq, vocab, ffn; pp the layers."""
+    return [(world // (pp * tp), pp, tp) for tp in range(1, world + 1) for pp in range(1, world // tp + 1)
+            if world % (pp * tp) == 0 and not (ten.KV_HEADS % tp or ten.SEQ % tp or ten.VOCAB % tp or ten.FFN % tp
+                                               or ten.LAYERS % pp)]
+
+
+def choose_grid(world, raw):
+    """GRID=dpxppxtp: (grid, None), (None, None) without GRID, or (None, one line naming the value and what fits)."""
+    fits, parts = " ".join("x".join(map(str, g)) for g in fitting_grids(world)), raw.strip().lower().split("x")
+    if not raw.strip():
+        return None, None
+    if len(parts) != 3 or not all(v.isdigit() and int(v) >= 1 for v in parts):
+        return None, f"GRID={raw!r}: write dpxppxtp, three whole numbers >= 1; at {world} ranks these fit: {fits}"
+    if tuple(map(int, parts)) not in fitting_grids(world):
+        return None, (f"GRID={raw}: dp x pp x tp must be {world} ranks, tp dividing K/V heads {ten.KV_HEADS}, seq "
+                      f"{ten.SEQ}, vocab {ten.VOCAB} and ffn {ten.FFN}, pp dividing {ten.LAYERS} layers; these fit: "
+                      f"{fits}")
+    return tuple(map(int, parts)), None
+
+
+# ---- the closed forms count real modules -------------------------------------------------------------------
+def counts():
+    head("the parameter count of the closed forms against real modules and published Llamas")
+    for tied in (0, 1):
+        llama = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, ten.KV_HEADS, ten.FFN, ten.LAYERS, tied)
+        c = dict(hidden=ten.HIDDEN, heads=ten.HEADS, kv_heads=ten.KV_HEADS, ffn=ten.FFN, layers=ten.LAYERS,
+                 vocab=ten.VOCAB, tied=tied, tp=1, pp=1)
+        assert ten.stage_numel(c, 0) == sum(p.numel() for p in llama.parameters()), tied
+    for name, (published, shape) in calc.PUBLISHED.items():
+        total = ten.stage_numel({**shape, "tp": 1, "pp": 1}, 0)
+        assert abs(total / published - 1) < 0.005, (name, total, published)
+    log("stage_numel == the toy Llama's parameters (tied and untied); " + ", ".join(
+        f"{name} {ten.stage_numel({**shape, 'tp': 1, 'pp': 1}, 0) / 1e9:.2f}B" for name, (_, shape) in
+        calc.PUBLISHED.items()) + ": each within 0.5 % of its published count")
+
+
+# ---- grids and refusals ---------------------------------------------------------------------------------------
+WRITTEN = {(2, 2, 2): {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                       "dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "embedding": [[0, 2], [1, 3], [4, 6], [5, 7]]},
+           (1, 2, 2): {"tp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]], "dp": [[0], [1], [2], [3]],
+                       "embedding": [[0, 2], [1, 3]]},
+           (1, 4, 2): {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "pp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+                       "dp": [[r] for r in range(8)], "embedding": [[0, 6], [1, 7]]},    # middle stages 1, 2
+           (1, 4, 1): {"tp": [[0], [1], [2], [3]], "pp": [[0, 1, 2, 3]], "dp": [[0], [1], [2], [3]],
+                       "embedding": [[0, 3]]}}
+
+
+def layout_is_right(grid, mine):
+    """mine: {kind: global ranks of this rank's group}. Each rank is in one group of each kind, a group varies one
+    coordinate (in order), the embedding group is the first and last stage of this rank's pipe, none in between."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    coords = lambda r: (r // (grid.pp_size * grid.tp_size), r // grid.tp_size % grid.pp_size, r % grid.tp_size)
+    assert coords(rank) == (grid.d, grid.p, grid.t) and sorted(r for g in grid.ranks["tp"] for r in g) == \
+        list(range(world))
+    assert all(rank in ranks for ranks in mine.values()) and mine["tp"][grid.t] == rank, mine
+    for kind, varies in (("tp", 2), ("pp", 1), ("dp", 0)):
+        assert [coords(r)[varies] for r in mine[kind]] == list(range(len(mine[kind]))), (kind, mine[kind])
+        assert all(coords(r)[:varies] + coords(r)[varies + 1:] == coords(rank)[:varies] + coords(rank)[varies + 1:]
+                   for r in mine[kind]), (kind, mine[kind])
+    ends = sorted({0, grid.pp_size - 1})
+    assert ("embedding" in mine) == (grid.p in ends), (grid.p, mine)
+    if "embedding" in mine:
+        assert [coords(r) for r in mine["embedding"]] == [(grid.d, p, grid.t) for p in ends], mine["embedding"]
+
+
+def grids(world):
+    head(f"every grid of {world} ranks the toy takes: the groups each rank is in; refusals")
+    made, real_new_group = [], dist.new_group
+    dist.new_group = lambda ranks, timeout=None: tuple(ranks)    # the layouts alone: a group is its ranks here
+    try:
+        for shape in fitting_grids(world):
+            grid = ten.Grid(*shape)
+            layout_is_right(grid, {k: list(getattr(grid, k)) for k in grid.ranks if getattr(grid, k) is not None})
+            assert shape not in WRITTEN or grid.ranks == WRITTEN[shape], (shape, grid.ranks)
+            made.append(shape)
+    finally:
+        dist.new_group = real_new_group
+    dp, pp, tp = ten.default_grid(world)
+    said = refused(lambda: ten.Grid(dp + 1, pp, tp))             # refused before any group is made
+    assert said == f"grid dp={dp + 1} x pp={pp} x tp={tp} = {(dp + 1) * pp * tp} ranks, but the world has {world}"
+    fake = types.SimpleNamespace(tp=None, pp_size=2)             # the split is checked before anything is built
+    for layers in (ten.LAYERS + 1, 1):
+        llama = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, ten.KV_HEADS, ten.FFN, layers)
+        assert refused(lambda: ten.LlamaStage(llama, fake)) == f"{layers} layers do not split evenly over 2 " \
+                                                                 f"pipeline stages"
+    for raw in ("2x", "0x1x1", "-2x-1x1", "1x1x1x1", f"{world + 1}x1x1", "1x3x1" if world == 3 else "1x1x3"):
+        assert choose_grid(world, raw)[1].startswith(f"GRID={raw}") or choose_grid(world, raw)[1].startswith(
+            f"GRID={raw!r}"), raw
+    assert choose_grid(world, f"{world}x1x1") == ((world, 1, 1), None) and choose_grid(world, "") == (None, None)
+    log(f"{len(made)} grids ({' '.join('x'.join(map(str, g)) for g in made)}): each rank in one group of each kind, "
+        f"varying one coordinate, the embedding group first + last stage (none in the middle); refused: a grid of "
+        f"{world + world // dp} ranks, {ten.LAYERS + 1} and 1 layers over 2 stages, 6 bad GRIDs")
+
+
+def calculator_boundaries():
+    head("the scale calculator's refusals, at their boundaries (the last value that fits passes, the next is refused)")
+    fine = ["tp=1", "tp=8", "pp=1", "pp=80", "pp=40", "dp=1", "m=1", "micro=1", "e=1", "tied=0", "tied=1",
+            "bucket_mb=1e-6", "nvlink_GBps=1e-9", "ib_GBps=0.5", "kv_heads=64", "kv_heads=1 tp=1", "heads=8192",
+            "heads=8 kv_heads=8 tp=8", "hidden=4096 heads=32 ffn=14336 layers=32"]
+    bad = {"tp=0": "tp=0: tp is a whole number >= 1", "tp=3": "tp=3 does not divide hidden=8192",
+           "tp=16": "tp=16 does not divide kv_heads=8", "pp=0": "pp=0: pp is a whole number", "pp=3": "pp=3 does not "
+           "divide layers=80", "pp=81": "pp=81 does not divide", "dp=0": "dp=0:", "m=0": "m=0:", "tied=2": "tied=2: "
+           "tied is 0 or 1", "tied=-1": "tied=-1:", "bucket_mb=0": "bucket_mb=0: bucket_mb is a number > 0",
+           "nvlink_GBps=0": "nvlink_GBps=0: nvlink_GBps is a number > 0", "ib_GBps=-1": "ib_GBps=-1:",
+           "ib_GBps=inf": "ib_GBps=inf:", "ib_GBps=nan": "ib_GBps=nan:", "ib_GBps=fast": "ib_GBps=fast:",
+           "hidden=4096.7": "hidden=4096.7: hidden is a whole number", "kv_heads=128": "kv_heads=128 does not divide "
+           "heads=64", "heads=7": "tp=8 does not divide heads=7", "heads=16384": "heads=16384 does not divide",
+           "depth=3": "'depth=3' is not key=value", "tp": "'tp' is not key=value", "...": "README's '...'"}
+    for pair in fine:
+        c, why = calc.scale_config(pair.split())
+        assert why is None and all(c[k] == type(ten.SCALE[k])(float(v)) for k, v in (p.split("=") for p in
+                                                                                       pair.split())), (pair, why)
+    for pair, said in bad.items():
+        c, why = calc.scale_config(pair.split())
+        assert c is None and said in why and "\n" not in why, (pair, why)
+    log(f"{len(fine)} settings that fit pass, {len(bad)} that do not are refused in one line naming the value")
+
+
+# ---- 06's SP MLP block inside 09's wrappers ---------------------------------------------------------------------
+class SPMLPBlock(nn.Module):
+    """06's mlp_block as a module: this rank's TP shards of one dense LayerNorm + MLP, x + fc2(GeLU(fc1(LN(x)))),
+    [s/tp, b, h] in and out (SP); fc1's weight gets its gradient through 06's SP linear (into main_grad, asked by
+    09's wrapper)."""
+
+    def __init__(self, ln, fc1, fc2, group):
+        super().__init__()
+        t, r, whole = dist.get_world_size(group), dist.get_rank(group), lambda w: nn.Parameter(w.detach().clone())
+        self.group, self.ln_w, self.ln_b, self.b2 = group, whole(ln.weight), whole(ln.bias), whole(fc2.bias)
+        self.w1, self.b1 = whole(fc1.weight.chunk(t, 0)[r]), whole(fc1.bias.chunk(t, 0)[r])  # fc1's rows
+        self.w2 = whole(fc2.weight.chunk(t, 1)[r])                                         # fc2's columns
+        for p in (self.ln_w, self.ln_b, self.b2):
+            p.sequence_parallel = True                        # applied to this rank's slice of s: summed over TP
+
+    def forward(self, x):
+        return seq_par.mlp_block(x, {n: getattr(self, n) for n in ("ln_w", "ln_b", "w1", "b1", "w2", "b2")},
+                                 True, self.group)
+
+    def shards_of(self, ln, fc1, fc2):
+        t, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return {"ln_w": ln.weight, "ln_b": ln.bias, "b2": fc2.bias, "w1": fc1.weight.chunk(t, 0)[r],
+                "b1": fc1.bias.chunk(t, 0)[r], "w2": fc2.weight.chunk(t, 1)[r]}
+
+
+def zero_bytes(model, optimizer):
+    """(parameter bytes, optimizer bytes) a ZeRO rank holds: its buckets' values (ZeRO-3: the shard; a freed full
+    bucket counts 0), AdamW's moments and the fp32 masters beside narrower parameters."""
+    state = [t for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
+    return (held_bytes([t for b in model.buckets for t in (b.flat, b.local)]),
+            held_bytes(state + [b.opt for b in model.buckets if b.opt is not b.local]))
+
+
+def compose(world, device):
+    tp = 2 if world % 2 == 0 else 1
+    grid = ten.Grid(world // tp, 1, tp, timeout=pg_timeout())
+    head(f"06's SP MLP block in 09's DDP, ZeRO-2, ZeRO-3 on tp {tp} x dp {grid.dp_size}: 3 AdamW steps, 1 process")
+    s, b, h, f = 4 * tp, 2 * grid.dp_size, 8, 16
+    # eps 1 (gradients here are O(1)): the update is continuous in the gradient, so bf16's rounding moves it as
+    # little as it moves the gradient; with eps 1e-8 AdamW takes the sign of a near-zero gradient, which bf16 flips
+    hyper = dict(lr=0.01, betas=(0.9, 0.95), eps=1.0, weight_decay=0.1)
+    seq, rows = slice(grid.t * s // tp, (grid.t + 1) * s // tp), slice(grid.d * 2, grid.d * 2 + 2)
+    worst = {}
+    for dtype, tol in ((F64, 1e-12), (F32, 2 ** -16), (BF16, 2 ** -7)):
+        for cls in (data_par.DDP, data_par.ZeRO2, data_par.ZeRO3):
+            torch.manual_seed(1)
+            ln, fc1, fc2 = nn.LayerNorm(h), nn.Linear(h, f), nn.Linear(f, h)
+            dense = nn.ModuleList([ln, fc1, fc2]).to(device, F64)
+            with torch.no_grad():                                     # start from values bf16 holds exactly
+                for p in dense.parameters():
+                    p.copy_(p.to(dtype))
+            block = SPMLPBlock(ln, fc1, fc2, grid.tp).to(dtype)
+            optimizer = torch.optim.AdamW(block.parameters(), **hyper)
+            eg = max(torch.finfo(dtype).bits // 8, 4)                 # gradients and AdamW: fp32 or wider
+            model = cls(block, optimizer, grid.dp, bucket_cap_mb=40 * eg / 2 ** 20)   # 40 elements a bucket
+            opt = torch.optim.AdamW(dense.parameters(), **hyper)
+            for step in range(3):
+                g = torch.Generator().manual_seed(10 + step)
+                x, target = (torch.randn(s, b, h, generator=g, dtype=F64).to(device) for _ in range(2))
+                opt.zero_grad()
+                y = x + fc2(F.gelu(fc1(ln(x))))
+                (y * target).sum().backward()                         # the whole batch, one process
+                opt.step()
+                with model.no_sync():                                 # this rank: its replica's rows, its TP slice
+                    y = model(x[seq, rows].to(dtype))
+                    ((y.double() * target[seq, rows]).sum() * grid.dp_size).backward()  # DP averages: x dp
+                seq_par.allreduce_sequence_parallel_grads(block.parameters(), group=grid.tp)  # LN, b2: over TP
+                model.sync_gradients()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if cls is not data_par.DDP:                               # bytes held: ZeRO's closed forms
+                ep = torch.finfo(dtype).bits // 8
+                c = dict(dp=grid.dp_size, ep=ep, eg=eg, pp=1, m=1, layers=1, act=0, bucket_mb=0, seq=0, micro=0,
+                         vocab=0, tp=1, e=ep)
+                want = calc.step_memory(c, 0, 3 if cls is data_par.ZeRO3 else 2, sum(bk.numel for bk in model.buckets))
+                assert zero_bytes(model, optimizer) == (want["parameters"], want["optimizer"]), (cls, dtype, want)
+            got, scale = model.state_dict(), max(p.abs().max().item() for p in dense.parameters())
+            err = max(((got[n].double() - w).abs().max().item() for n, w in block.shards_of(ln, fc1, fc2).items()))
+            worst[(dtype, cls.__name__)] = err / max(scale, 1)
+            assert worst[(dtype, cls.__name__)] <= tol, (cls.__name__, dtype, err)
+    log(f"DDP, ZeRO-2, ZeRO-3 == one process after 3 steps: float64 within 1e-12, fp32 2^-16, bf16 (fp32 master) "
+        f"2^-7 (worst {max(v for (d, _), v in worst.items() if d == BF16):.1e}) of max(|w|, 1)")
+    log("ZeRO's parameter and optimizer bytes == the closed forms in each dtype (fp32 master beside bf16 only)")
+
+
+# ---- the Llama on other grids: gradients, fused dW, traffic, bytes held --------------------------------------------
+@contextlib.contextmanager
+def saved_activations(stage, readings):
+    """Inside: after every forward of `stage`, append the bytes of the tensors autograd keeps for backward that
+    are still alive (parameters left out): the activations of the micro-batches in flight, measured."""
+    import gc
+    from torch.multiprocessing.reductions import StorageWeakRef
+    params = {p.untyped_storage()._cdata for p in stage.parameters()}
+    refs = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params and s.device.type != "meta" and (s._cdata not in refs or refs[s._cdata].expired()):
+            refs[s._cdata] = StorageWeakRef(s)          # (an expired entry's address may be reused by a new one)
+        return t
+
+    def live(*_):
+        gc.collect()           # what is still reachable: a reference cycle awaiting the collector is not kept
+        for key, ref in list(refs.items()):
+            if ref.expired():
+                del refs[key]
+        readings.append(sum(torch.UntypedStorage._new_with_weak_ptr(k).nbytes() for k in refs))
+
+    hook = stage.register_forward_hook(live)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        hook.remove()
+
+
+def slices(llama, grid, values=None):
+    """{name: this rank's slice} of the one-process llama's parameters, or of `values` (one per parameter): the
+    names and slices of a LlamaStage built from it."""
+    if values is not None:
+        llama = copy.deepcopy(llama)
+        for p, v in zip(llama.parameters(), values):
+            p.data = v.detach()
+    return {n: p.detach() for n, p in ten.LlamaStage(llama, grid).named_parameters(remove_duplicate=False)}
+
+
+def train_on(shape, zero, tied, dtype, device):
+    grid, f64 = ten.Grid(*shape, timeout=pg_timeout()), dtype == F64
+    sizes = dict(e=8, eg=8, ep=8) if f64 else dict(e=2, eg=4, ep=2)
+    head(f"dp {shape[0]} x pp {shape[1]} x tp {shape[2]}, ZeRO-{zero}, {'tied' if tied else 'untied'} head, "
+         f"{'float64' if f64 else 'bf16 (fp32 gradients and master)'}")
+    mine = {k: dist.get_process_group_ranks(getattr(grid, k)) for k in grid.ranks if getattr(grid, k) is not None}
+    layout_is_right(grid, mine)                                   # the real groups, as the arithmetic says
+    torch.manual_seed(0)
+    llama = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, ten.KV_HEADS, ten.FFN, ten.LAYERS, tied, dtype).to(device)
+    stage = ten.LlamaStage(llama, grid)
+    columns = {id(m.weight): m.weight for m in stage.modules() if isinstance(m, ten.tp_layers.ColumnParallelLinear)}
+    fused = dict.fromkeys(columns, 0)  # backwards in which the layer added dW into main_grad itself (seen before 09)
+    for p in columns.values():
+        p.register_post_accumulate_grad_hook(
+            lambda p: fused.__setitem__(id(p), fused[id(p)] + p.grad_added_to_main_grad))
+    optimizer = torch.optim.AdamW(stage.parameters(), **HYPER)
+    model = (data_par.ZeRO2 if zero == 2 else data_par.ZeRO3)(stage, optimizer, grid.dp, 1024)
+    model.grid = grid
+    c = ten.toy_config(grid, zero, tied, **sizes)
+    assert [b.numel for b in model.buckets] == c["buckets"], ([b.numel for b in model.buckets], c["buckets"])
+    comm = ten.pipeline.P2PCommunicator((ten.SEQ // grid.tp_size, ten.MICRO, ten.HIDDEN), dtype, device, grid.pp)
+    opt = torch.optim.AdamW(llama.parameters(), **HYPER)
+    rows = slice(grid.d * ten.M * ten.MICRO, (grid.d + 1) * ten.M * ten.MICRO)
+    held, kept = {}, []
+    optimizer.register_step_pre_hook(                              # after the reduction: the reduced shard
+        lambda *_: held.__setitem__("reduced", held_bytes([b.opt.grad for b in model.buckets])))
+    steps = ten.STEPS if f64 else 2                               # bf16: traffic and bytes only
+    for step in range(steps):
+        ids, targets = ten.batch(step, grid.dp_size, device)
+        check = None
+        if f64:
+            opt.zero_grad()
+            ref_loss = F.cross_entropy(llama(ids).flatten(0, 1), targets.flatten())
+            ref_loss.backward()
+            if step == 0:      # this replica's share of the gradient, what ZeRO is handed before it averages
+                share = F.cross_entropy(llama(ids[rows]).flatten(0, 1), targets[rows].flatten())
+                want = slices(llama, grid, torch.autograd.grad(share, list(llama.parameters())))
+                check = lambda: [torch.testing.assert_close(p.main_grad, want[n], rtol=1e-9, atol=1e-13,
+                                                            msg=lambda s: f"grad {n}: {s}")
+                                 for n, p in stage.named_parameters(remove_duplicate=False)]
+            opt.step()
+        if step == 1:          # the gradients at their peak: every micro-batch added up, before the reduction
+            check = lambda: held.__setitem__("summed", held_bytes([b.grad for b in model.buckets]))
+        with traffic() if step == 1 else saved_activations(stage, kept) if step == 0 and zero == 2 else \
+                contextlib.nullcontext() as t:      # (ZeRO-3's own saved-tensor hooks would hide the activations)
+            loss = ten.train_step(model, optimizer, comm, list(ids[rows].split(ten.MICRO)),
+                                  list(targets[rows].split(ten.MICRO)), check)
+        if step == 1:
+            got = ten.traffic_is(t.calls, grid, c)
+            assert grid.p in (0, grid.pp_size - 1) or {k for k, _ in got} <= {"tp", "pp", "dp"}, got  # a middle stage
+            summed = held["summed"]
+        assert (loss is not None) == grid.is_last, loss
+        if f64 and grid.is_last:
+            dist.all_reduce(loss, group=grid.dp)
+            torch.testing.assert_close(loss / grid.dp_size, ref_loss.detach(), rtol=1e-12, atol=0)
+    assert fused == dict.fromkeys(columns, steps * ten.M), fused
+    if f64:
+        got, want = model.state_dict(), slices(llama, grid)
+        assert got.keys() == want.keys(), (sorted(got), sorted(want))
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-12, msg=lambda s: f"{name}: {s}")
+    want = calc.step_memory({**c, "act": 0, "bucket_mb": 1024}, grid.p, zero, c["buckets"][0])
+    k = min(grid.pp_size - grid.p, ten.M)                         # 1F1B: micro-batches in flight on stage p
+    params, state = zero_bytes(model, optimizer)
+    assert (params, summed + held["reduced"], state) == (want["parameters"], want["gradients"], want["optimizer"]), \
+        (dist.get_rank(), params, summed, held["reduced"], state, want)
+    assert zero == 3 or kept[0] > 0 and max(kept) == k * kept[0], (k, kept)  # one micro-batch's each, k at once
+    log((f"each gradient shard before the DP reduction, the loss of {ten.STEPS} steps and every parameter == one "
+         f"process; " if f64 else "") + f"{len(columns)} column weights fused dW into main_grad in all "
+        f"{steps * ten.M} backwards; one step's traffic == the closed forms"
+        + ("; middle stages: no tied-weight all-reduce" if grid.pp_size > 2 and tied else "")
+        + f"; bytes held == step_memory" + (f" (activations: {k} x {kept[0]} on rank 0)" if kept else ""))
+
+
+def main():
+    extra, why = choose_grid(launched_world_size(), os.environ.get("GRID", ""))
+    if why:                                                       # before any work: one line on every rank
+        refuse(why)
+    rank, world, device = setup()
+    runs = [(extra, 2, 1, F64)] if extra else RUNS.get(world, [(ten.default_grid(world), 3, 0, F64)])
+    if not extra:                                                 # GRID: that grid alone
+        counts()
+        grids(world)
+        calculator_boundaries()
+        if world in (3, 4):                                       # dp 3 (odd), tp 2 x dp 2: the joint's two shapes
+            compose(world, device)
+    for shape, zero, tied, dtype in runs:
+        train_on(shape, zero, tied, dtype, device)
+    finish(f"{len(runs)} more grids == one process (gradients, losses, parameters), traffic and bytes held == the "
+           f"closed forms; the joints, every layout and every refusal")
+
+
+if __name__ == "__main__":
+    main()
