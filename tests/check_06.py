@@ -315,9 +315,9 @@ def ulysses(groups, device):
         a2a = adjoint_checked(lambda t: m.all_to_all_4d(t, 2, 0, group), strided(q), group)
         assert torch.equal(a2a, full.chunk(P, dim=2)[r]) and torch.equal(m.all_to_all_4d(strided(a2a), 0, 2, group), q)
         mine = lambda t: t.chunk(P, dim=0)[r]                                # this rank's slice of the sequence
-        cases = ((True, KV), (False, NH), (True, NH), (False, 1))[:4 if every_size() else 2]
+        cases = ((True, KV), (False, NH), (True, 2), (False, 1))[:4 if every_size() else 2]
         cases = cases if group is None else cases[:1]
-        for causal, h_kv in cases:                                           # MHA, GQA, MQA; a sub-group: GQA
+        for causal, h_kv in cases:                          # GQA, MHA, 2 K/V heads (replicated at P = 4), MQA
             q, k, v, dout = (torch.randn(S, B, n, D, **f64) for n in (NH, h_kv, h_kv, NH))
             ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
             ref = sdpa(*ref_in, causal)
@@ -352,7 +352,7 @@ def ulysses(groups, device):
     worst = bf16_within(got, (one_out, *vjp(one_out, one, dout)), (ref, *vjp(ref, ref_in, dout.double())),
                         lambda t: t.chunk(P)[r], copies)
     log(f"all_to_all_4d exact with its adjoint; Ulysses == SDPA (output, dq, dk, dv) causal and not, MHA {NH}/{NH}, "
-        f"GQA {NH}/{KV}, MQA {NH}/1 (K/V sent at lcm(h_kv, P) heads), strided inputs, world and sub-groups; layouts "
+        f"GQA {NH}/{KV} and {NH}/2, MQA {NH}/1 (K/V sent at lcm(h_kv, P) heads), strided inputs, world and sub-groups; layouts "
         f"bshd and bhsd; bf16 off float64 by <= bf16 SDPA's error + a rounding a K/V replica ({worst:.2f} x)")
     log("4 all-to-alls, (P-1)/P^2 * (2V + 2V*h_kv'/h) bytes a rank, on every group")
     # refusals, each at its boundary: the last valid passes, the first invalid is refused
@@ -460,6 +460,7 @@ def rope(groups, device):
     m.apply_rope(x[..., :2], pos)                                          # d = 2: the smallest even head dim
     rejected(lambda: m.apply_rope(x[..., :7], pos), "apply_rope takes an even head dim")
     rejected(lambda: m.apply_rope(x, pos[:-1]), f"apply_rope takes an even head dim and {S} integer positions")
+    rejected(lambda: m.apply_rope(x, torch.arange(S + 1)), "apply_rope takes an even head dim")
     rejected(lambda: m.apply_rope(x, pos.double()), "apply_rope takes an even head dim")
     rejected(lambda: m.apply_rope(x, pos, layout="sbdh"), "apply_rope takes 4-dim")
     log("RoPE == the complex-number rotation (fp64; layouts bshd, bhsd; bf16 within its rounding); q.k depends on "
