@@ -241,6 +241,11 @@ def train_and_compare(cls, opt_fn, group, ranks, device, base):
     model, optimizer = wrap(cls, copy.deepcopy(base), opt_fn, group)
     ref = copy.deepcopy(base)
     opt = opt_fn(ref)
+    where = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}  # the groups, by the twin
+    twin = {id(p): id(q) for p, q in zip(model.module.parameters(), ref.parameters())}
+    assert all(len({where[twin[id(p)]] for p in b.params}) == 1 for b in model.buckets)  # one group a bucket
+    assert [len(g["params"]) for g in optimizer.param_groups] == \
+        [sum(where[twin[id(b.params[0])]] == i for b in model.buckets) for i in range(len(opt.param_groups))]
     V = sum(b.numel for b in model.buckets) * 8
     read = sum(b.numel * 8 for b in model.buckets if any(p.dim() > 1 for p in b.params))  # backward reads
     started, per_backward = [], []
@@ -666,8 +671,24 @@ def states(rank, W, device):
             F.cross_entropy(ref(torch.cat([i for i, _ in batches])), torch.cat([t for _, t in batches])).backward()
             optimizer.step(), opt.step()
             close(model.state_dict(), ref.state_dict(), f"{cls.__name__} sync by hand", rtol=1e-10, atol=1e-12)
+    for cls in CLASSES:  # an nn.Module as torch's; a backward that reaches one parameter leaves the others at zero
+        base = tied_lm(device)
+        model, optimizer = wrap(cls, copy.deepcopy(base))
+        assert isinstance(model, nn.Module) and [n for n, _ in model.named_parameters()] == \
+            [n for n, _ in base.named_parameters()] and list(model.state_dict()) == list(base.state_dict())
+        assert all(p is q for p, q in zip(model.parameters(), model.module.parameters()))
+        model.eval()
+        assert not model.module.l1.training
+        model.train()
+        assert model.module.l1.training
+        assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in base.parameters())
+        with model.gathered():
+            model.module.head.bias.sum().backward()
+        torch.testing.assert_close(model.clip_grad_norm_(1e9), torch.tensor(VOCAB ** 0.5, dtype=F64))
     log(said)
     log(shard)
+    log("nn.Modules: parameters(), named_parameters() and state_dict() by the module's names; train()/eval(); a "
+        "backward reaching head.bias alone: its bucket's others 0")
     log("refused after a no_sync backward: optimizer.step(), clip (both); zero_grad() drops; step twice == torch's; "
         "sync_gradients() by hand == a synced backward; overlap=False the same")
     zb_h1(rank, W, device)
