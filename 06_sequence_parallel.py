@@ -30,7 +30,6 @@ online: o = lerp(o, o_B, sigmoid(l_B - l)), l = log(e^l + e^l_B). No [s/P x s/P]
 Backward: the kernel's own, given the final o and l; dq stays, dK and dV ride the ring home (picture in backward).
 Bytes each rank sends, K and V slices of b*(s/P)*h_kv*d*bytes each: forward (P-1)*2 slices, backward that again
 plus P*2 of dK, dV (fp32 for bf16): h_kv/h of MHA's. All-gather CP (Llama 3) gathers K, V once: bench/06_ring.py.
-
 Positions: a shard's rows sit at global positions, not 0..s/P-1 (nanoGPT's arange(t) is wrong on a shard):
 shard_positions(s) gives them, zig-zag or contiguous, for wpe(positions) or apply_rope(q, positions) (RoPE).
 
@@ -391,10 +390,9 @@ def apply_rope(x, positions, *, layout: str = "sbhd", base: float = 10000.0):
 def _step_block(rank, src, n, is_causal):
     """(query rows, key rows, causal) of rank's block against src's K, V; each holds n rows, chunks (r, 2P-1-r).
     Causal: step 0 one mask over both chunks; later src < rank: my 2 chunks x src's early one, else my late x both."""
-    c = n // 2
     if not is_causal or src == rank:
         return slice(0, n), slice(0, n), is_causal
-    return (slice(0, n), slice(0, c), False) if src < rank else (slice(c, n), slice(0, n), False)
+    return (slice(0, n), slice(0, n // 2), False) if src < rank else (slice(n // 2, n), slice(0, n), False)
 
 
 def _scores(q, k, causal, scale):
@@ -432,8 +430,7 @@ def _explicit_block_backward(dout, q, k, v, out, lse, causal, scale, rest=()):
 def _fused_block(q, k, v, causal, scale):
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))   # rows of d contiguous, as SDPA
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse, ()
+        return (*torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale), ())
     out, lse, cum_q, cum_k, _, _, rng, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale)
     return out, lse, (cum_q, cum_k, rng, unused)          # what its backward takes back (no dropout: unused)
@@ -487,8 +484,7 @@ class _RingAttention(torch.autograd.Function):
                 out[:, :, rows].lerp_(o.to(out.dtype), torch.sigmoid(lse_b - lse[:, :, rows]).unsqueeze(-1))
                 lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], lse_b)
             del o, lse_b
-            if kv_next:
-                kv = kv_next()                                               # (the K, V sent are let go of)
+            kv = kv_next() if kv_next else kv                                # (the K, V sent are let go of)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal, ctx.group = is_causal, group
@@ -521,8 +517,7 @@ class _RingAttention(torch.autograd.Function):
             dkv[1][:, :, cols].add_(dv_b)
             del dq_b, dk_b, dv_b
             dkv_next = _ring_exchange(dkv, ctx.group)                        # to r + 1; after the last step: home
-            if kv_next:
-                kv = kv_next()
+            kv = kv_next() if kv_next else kv
         dk, dv = dkv_next()                                                  # this rank's own K, V's, every share in
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
@@ -555,8 +550,7 @@ def sent(t):
 
 
 def same_as_one_process(attn, shard, positions, heads, device):
-    """attn on my shards of q [s, b, h, d], k, v [s, b, h_kv, d], RoPE at `positions` == causal SDPA on the whole,
-    RoPE at arange(s): output, dq, dk, dv, float64. Returns my k and v shards, forward's and backward's traffic."""
+    """attn on my shards of q, k, v (RoPE at `positions`) == causal SDPA on the whole: returns my k, v and traffic."""
     (h, h_kv, d), f64 = heads, dict(dtype=torch.float64, device=device)
     *qkv, dout = (torch.randn(S, B, n, d, **f64) for n in (h, h_kv, h_kv, h))
     whole, mine = [t.clone().requires_grad_() for t in qkv], [shard(t).clone().requires_grad_() for t in qkv]
@@ -611,8 +605,8 @@ def ulysses(device):
         f"{sent(fwd)} B = (P-1)/P^2 * (2V + 2V*{kv_heads}/{NH}), lcm({KV}, P) = {kv_heads} K/V heads sent")
 
 
-def ring(device):
-    (P, r), (h, h_kv, _) = (dist.get_world_size(), dist.get_rank()), RING
+def zigzag(device):
+    P, r = dist.get_world_size(), dist.get_rank()
     pos, c = shard_positions(S, device=device), S // (2 * P)                         # my rows' global positions
     assert pos.tolist() == [*range(r * c, (r + 1) * c), *range((2 * P - 1 - r) * c, (2 * P - r) * c)]
     x = torch.randn(S, B, 3, device=device)
@@ -622,6 +616,10 @@ def ring(device):
     assert set(zig) == {S * (S + 1) // (2 * P)}, zig
     log(f"zig-zag: R0's rows sit at {pos[0]}..{pos[c - 1]} and {(2 * P - 1) * c}..{2 * P * c - 1}; causal pairs a "
         f"rank: {list(zig)} = s(s+1)/2P (contiguous shards: {list(contiguous)}); unshard(shard(x)) == x")
+
+
+def ring(device):
+    P, (h, h_kv, _), pos = dist.get_world_size(), RING, shard_positions(S, device=device)
     attn = lambda *qkv: ring_attention(*qkv, is_causal=True, fused=device.type == "cpu")   # fp64 CUDA: explicit
     (k, v), fwd, bwd = same_as_one_process(attn, lambda t: zigzag_shard(t, 0), pos, RING, device)
     kv = k.nbytes + v.nbytes                                                         # my K and V, h_kv heads
@@ -634,12 +632,14 @@ def main():
     if 24 % launched_world_size():
         refuse(f"world size {launched_world_size()} does not divide {NH} heads, ffn {FFN} and the sequence's "
                f"{S // 2} chunk pairs: use 1, 2, 3, 4, 6 or 8")
-    _, P, device = setup()
+    device = setup()[2]
     head(f"Megatron SP: an MLP block on [s/tp, b, h], [s, b, h] = [{S}, {B}, {H}], ffn {FFN}, == the dense block")
     megatron_sp(device)
     head(f"Ulysses: q, k, v [s/P, b, h, d] all-to-all to [s, b, h/P, d]; {NH} query heads, {KV} K/V heads, RoPE")
     ulysses(device)
-    head(f"ring attention over zig-zag shards of a sequence of {S}, RoPE at their positions == SDPA, float64")
+    head(f"zig-zag shards of a sequence of {S}: the positions a rank holds, the causal work it does")
+    zigzag(device)
+    head("ring attention over zig-zag shards, RoPE at their positions == SDPA on the whole sequence, float64")
     ring(device)
     finish("Megatron SP == dense; Ulysses and ring attention with GQA and RoPE at each shard's positions == SDPA; "
            "the bytes of their closed forms; zig-zag positions and balance")

@@ -22,8 +22,9 @@ LAYOUTS = (("bshd", (1, 0, 2, 3)), ("bhsd", (1, 2, 0, 3)))   # flash-attn's [b, 
 
 
 def every_size():
-    """Whether to run the variants that do not depend on P (layouts, MQA, MHA in bf16): at 1 to 4 ranks, not again
-    at 8 (the suite's time); what depends on P (values, bytes, replays, memory) runs at every size."""
+    """Whether to run the variants that do not depend on P (layouts, MQA, MHA in bf16, the wrapper's handshake, the
+    explicit ring): at 1 to 4 ranks, not again at 8 (the suite's time); what depends on P (values, bytes, replays,
+    memory) runs at every size."""
     return dist.get_world_size() <= 4
 
 
@@ -271,8 +272,10 @@ def linear(groups, device):
         assert not hasattr(unfused[1], "main_grad")                   # x [s/tp, b, 1, h]: any dims, as nn.Linear
         for got, want in zip((t.grad for t in unfused), (plain[0].grad.unsqueeze(2), plain[1].grad, plain[2].grad)):
             torch.testing.assert_close(got, want)
-        if group is not None or every_size():                                 # tied: on the sub-group
+        if every_size():                                                      # tied: on the sub-group
             handshake(plain, g_out[..., rows], group, tied=group is not None)
+        if group is not None:
+            continue
         # a plain model and torch.optim: SGD moves this rank's rows of W as it moves the dense layer's
         w_sp, b_sp = (torch.nn.Parameter(t.detach().clone()) for t in (w[rows], b[rows]))
         w_d, b_d = (torch.nn.Parameter(t.detach().clone()) for t in (w, b))
