@@ -25,13 +25,12 @@ _timeout = datetime.timedelta(seconds=30)  # setup() sets it from PG_TIMEOUT
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _tracing():  # TRACE=DIR only: the code lives in tools/trace.py
+def _tracing():  # TRACE=DIR only: tools/trace.py, loaded by path (tests/tools.py takes the name `tools`)
     if "_trace" not in sys.modules:
         import importlib.util
-        spec = importlib.util.spec_from_file_location("_trace", os.path.join(os.path.dirname(__file__), "tools",
-                                                                              "trace.py"))
-        sys.modules["_trace"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["_trace"])
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "trace.py")
+        spec = importlib.util.spec_from_file_location("_trace", path)
+        spec.loader.exec_module(sys.modules.setdefault("_trace", importlib.util.module_from_spec(spec)))
     return sys.modules["_trace"]
 
 
@@ -44,11 +43,9 @@ def _script():
     return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "lesson.py"
 
 
-def _say(text: str, stream=None):
-    """One write for the text and its newline: ranks share torchrun's stream, and print() writes them apart."""
-    stream = stream or sys.stdout
-    stream.write(text + "\n")
-    stream.flush()
+def _say(text: str, stream=None):  # one write for a line and its newline: ranks share torchrun's stream
+    (stream or sys.stdout).write(text + "\n")
+    (stream or sys.stdout).flush()
 
 
 def refuse(why: str):
@@ -69,14 +66,13 @@ def launched_world_size() -> int:
         return int(os.environ["WORLD_SIZE"])
     nproc = os.environ.get("NPROC", "").strip() or "4"  # empty means the default, as for BACKEND and PG_TIMEOUT
     if not nproc.isdigit() or int(nproc) < 1:
-        print(f"{_script()}: NPROC={nproc!r} is not a number of processes (a whole number >= 1)",
-              file=sys.stderr, flush=True)
+        _say(f"{_script()}: NPROC={nproc!r} is not a number of processes (a whole number >= 1)", sys.stderr)
         sys.exit(EXIT_REFUSED)
-    cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", sys.argv[0], *sys.argv[1:]]
-    print(f"not started by torchrun: running torchrun --standalone --nproc-per-node={nproc} "
-          f"{' '.join([_script(), *sys.argv[1:]])}", flush=True)
+    _say(f"not started by torchrun: running torchrun --standalone --nproc-per-node={nproc} "
+         f"{' '.join([_script(), *sys.argv[1:]])}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets anyway (it warns when it has to)
-    os.execv(sys.executable, [sys.executable, *cmd])
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={nproc}", sys.argv[0], *sys.argv[1:]])
 
 
 def _seconds(name: str, default: float) -> float:

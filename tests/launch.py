@@ -113,7 +113,10 @@ def install_contract(device_type: str, groups_time_out: bool = True):
 
     if groups_time_out:
         import datetime
-        want = datetime.timedelta(seconds=float(os.environ.get("PG_TIMEOUT", "").strip() or 30))
+        try:  # what common.setup() gives the world group (a bad PG_TIMEOUT it refuses itself)
+            want = datetime.timedelta(seconds=float(os.environ.get("PG_TIMEOUT", "").strip() or 30))
+        except (ValueError, OverflowError):
+            want = None
         new_group = c10d.new_group
 
         @functools.wraps(new_group)
