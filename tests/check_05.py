@@ -284,7 +284,8 @@ def cases(device, dtype=F64, only=None):
              "MHA": lambda: mha_attention(2, device, dtype)}
     every.update({f"GQA, {n} K/V heads{', [s, b, h]' * (n == 4)}":
                   (lambda n=n: gqa_attention(6 + n, n, device, dtype, n != 4)) for n in (1, 2, 4, 8)})
-    return [(name, make()) for name, make in every.items() if only is None or name in only or name.split(",")[0] in only]
+    return [(name, make()) for name, make in every.items()
+            if only is None or name in only or name.split(",")[0] in only]
 
 
 def blocks(groups, device, only=None):
@@ -320,8 +321,8 @@ def blocks(groups, device, only=None):
                     (name, per_rank, whole)                   # a replicated K/V head: held p/n_kv times
     p = dist.get_world_size()
     log(f"MLP, SwiGLU (with, without biases), MHA, GQA (1, 2, 4, 8 K/V heads; batch-first or not) == dense, TP and "
-        f"SP (MLP and 1-K/V-head GQA on the sub-group too); on the wire (4 + sp) ({p}-1)/{p} V (+ {p}-1 headers, + an all-reduce of replicated K/V "
-        f"grads); parameter bytes per rank")
+        f"SP (MLP and 1-K/V-head GQA on the sub-group too); on the wire (4 + sp) ({p}-1)/{p} V (+ {p}-1 headers, + "
+        f"an all-reduce of replicated K/V grads); parameter bytes per rank")
 
 
 class SeqFirst(nn.Module):
@@ -428,22 +429,23 @@ def unequal_slices(sub, device):
     n, size = 2 + rank % 2, dist.get_world_size(sub)                      # each strided group its own length:
     layer_sub = m.ColumnParallelLinear(HIDDEN, FFN, sequence_parallel=True, group=sub, device=device, dtype=F64)
     assert layer_sub(x.new_zeros(n, BATCH, HIDDEN)).shape == (size * n, BATCH, FFN // size)   # equal in each group
-    for lengths in ([SEQ // world + (r == world - 1) for r in range(world)],     # the last rank's alone changes
-                    [SEQ // world + 1 + (r > 0) for r in range(world)]):      # every rank's changes
-        if world == 1:
+    n = SEQ // world
+    for shapes in ([[n + (r == world - 1), BATCH, HIDDEN] for r in range(world)],    # the last rank's length alone
+                   [[n + 1 + (r > 0), BATCH, HIDDEN] for r in range(world)],         # every rank's length
+                   [[n * BATCH, 1, HIDDEN] if r == world - 1 else [n, BATCH, HIDDEN] for r in range(world)]):
+        if world == 1:                                                    # the last: one numel, another shape
             break
         try:
-            layer(torch.zeros(lengths[rank], BATCH, HIDDEN, device=device, dtype=F64))
-            raise AssertionError(f"unequal slices {lengths} accepted")
+            layer(torch.zeros(shapes[rank], device=device, dtype=F64))
+            raise AssertionError(f"unequal slices {shapes} accepted")
         except ValueError as e:
-            shapes = [[n, BATCH, HIDDEN] for n in lengths]
             said = str(e)
             assert "\n" not in said and said.startswith(
                 f"sequence-parallel slices differ across the group: shapes {shapes}; "), said
     y = layer(x)                                                          # equal again: the layer carries on
     assert y.shape == (SEQ, BATCH, FFN // world), y.shape
     log(f"a {HEADER}-B all-gather a call (check_slices=False: none); unequal slices (the last rank's length alone, "
-        f"or every rank's) refused in one line on every rank; equal within each sub-group passes")
+        f"every rank's, one numel in another shape) refused in one line on every rank; equal in each sub-group passes")
 
 
 def dw_and_main_grad(device):
@@ -535,7 +537,8 @@ def bfloat16(device):
     head("bf16: every block, TP and SP, against the same dense modules in bf16")
     x, dy = (torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(s)).to(device, torch.bfloat16)
              for s in (6, 7))
-    for name, (fn, make, pairs, batch_first, _) in cases(device, torch.bfloat16, ("MLP", "SwiGLU", "MHA", "GQA, 2 K/V heads")):
+    for name, (fn, make, pairs, batch_first, _) in cases(device, torch.bfloat16,
+                                                         ("MLP", "SwiGLU", "MHA", "GQA, 2 K/V heads")):
         xx, dd = (x.transpose(0, 1), dy.transpose(0, 1)) if batch_first else (x, dy)
         for sp in (False, True):
             par = make(sequence_parallel=sp)
