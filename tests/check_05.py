@@ -301,7 +301,7 @@ def blocks(groups, device, only=None):
         for name, (fn, make, pairs, batch_first, n_kv) in cases(device, only=only):
             xx, dd = (x.transpose(0, 1), dy.transpose(0, 1)) if batch_first else (x, dy)
             seq_dim = (1 if batch_first else SEQ_DIM) if sp else None
-            for group in groups if name in ("MLP", "GQA, 1 K/V heads") else groups[:1]:   # sub-group: two
+            for group in groups if name in ("MLP", "MHA", "GQA, 1 K/V heads") else groups[:1]:    # sub-group: 3
                 p = dist.get_world_size(group)
                 fn.zero_grad()
                 par = make(group=group, sequence_parallel=sp)
@@ -321,7 +321,7 @@ def blocks(groups, device, only=None):
                     (name, per_rank, whole)                   # a replicated K/V head: held p/n_kv times
     p = dist.get_world_size()
     log(f"MLP, SwiGLU (with, without biases), MHA, GQA (1, 2, 4, 8 K/V heads; batch-first or not) == dense, TP and "
-        f"SP (MLP and 1-K/V-head GQA on the sub-group too); on the wire (4 + sp) ({p}-1)/{p} V (+ {p}-1 headers, + "
+        f"SP (MLP, MHA, 1-K/V-head GQA on the sub-group too); on the wire (4 + sp) ({p}-1)/{p} V (+ {p}-1 headers, + "
         f"an all-reduce of replicated K/V grads); parameter bytes per rank")
 
 
