@@ -289,8 +289,8 @@ def cases(device, dtype=F64, only=None):
 
 
 def blocks(groups, device, only=None):
-    head(f"{'MLP (GELU, SwiGLU) and attention (MHA' if only is None else 'MLP and attention (GQA'}, GQA at 1, 2, 4, "
-         f"8 K/V heads), TP and SP, against dense")
+    head("the MLP and attention blocks, TP and SP, against dense (integer values in float64: exact)")
+    run = cases(device, only=only)
     x, dy = ints(4, SEQ, BATCH, HIDDEN, device=device), ints(5, SEQ, BATCH, HIDDEN, device=device)
     V = x.numel() * x.element_size()
     for sp in (False, True):
@@ -298,7 +298,7 @@ def blocks(groups, device, only=None):
         # all-gather again and reduce-scatter (column) backward
         comms = ["all_gather"] * 2 + ["reduce_scatter", "all_gather", "all_gather", "reduce_scatter"] if sp else \
             ["all_reduce"] * 2
-        for name, (fn, make, pairs, batch_first, n_kv) in cases(device, only=only):
+        for name, (fn, make, pairs, batch_first, n_kv) in run:
             xx, dd = (x.transpose(0, 1), dy.transpose(0, 1)) if batch_first else (x, dy)
             seq_dim = (1 if batch_first else SEQ_DIM) if sp else None
             for group in groups if name in ("MLP", "MHA", "GQA, 1 K/V heads") else groups[:1]:    # sub-group: 3
@@ -320,9 +320,9 @@ def blocks(groups, device, only=None):
                 assert p * per_rank == whole + (p - 1) * row_bias + replicated * (p - n_kv) * kv_bytes // n_kv, \
                     (name, per_rank, whole)                   # a replicated K/V head: held p/n_kv times
     p = dist.get_world_size()
-    log(f"MLP, SwiGLU (with, without biases), MHA, GQA (1, 2, 4, 8 K/V heads; batch-first or not) == dense, TP and "
-        f"SP (MLP, MHA, 1-K/V-head GQA on the sub-group too); on the wire (4 + sp) ({p}-1)/{p} V (+ {p}-1 headers, + "
-        f"an all-reduce of replicated K/V grads); parameter bytes per rank")
+    log(f"{'; '.join(name for name, _ in run)}: == dense, TP and SP (MLP, MHA, 1-K/V-head GQA on the sub-group "
+        f"too); on the wire (4 + sp) ({p}-1)/{p} V (+ {p}-1 headers, + an all-reduce of replicated K/V grads); "
+        f"parameter bytes per rank")
 
 
 class SeqFirst(nn.Module):
@@ -674,12 +674,13 @@ def main():
     mappings(groups, device)
     if full:
         linear_layers(groups, device)
-    blocks(groups if full else groups[:1], device, None if full else ("MLP", "GQA"))
+    blocks(groups if full else groups[:1], device, None if full else ("MLP", "GQA, 1 K/V heads",
+                                                                      "GQA, 4 K/V heads, [s, b, h]"))
     fused_layout(device)
     activation_memory(device)
     unequal_slices(groups[-1], device)
-    tp_dp_grid(device)
     if full:               # the same at every p: run where it is cheap
+        tp_dp_grid(device)
         nanogpt_modules(device)
         dw_and_main_grad(device)
         bfloat16(device)
