@@ -4,17 +4,18 @@ rank ({0, 2, ..} and {1, 3, ..}), from non-contiguous inputs, in float64 (intege
   issues its collective on its group, handing in the tensor its docstring names; scatters hand back contiguous slices;
 - ColumnParallelLinear and RowParallelLinear with every option (gather_output, input_is_parallel, sequence_parallel,
   check_slices) == nn.Linear, with the collectives each issues; the row bias is added once, after the all-reduce;
-- the MLP (GELU and SwiGLU, with and without biases) and attention (nn.MultiheadAttention's, nanoGPT's, GQA at 1, 2,
-  4 and 8 K/V heads against the repeat-interleaved reference, batch-first or not), TP and SP, on both groups: == dense
+- the MLP (GELU and SwiGLU, with and without biases) and attention (nn.MultiheadAttention's, nanoGPT's, GQA at 1,
+  2 (no biases), 4 and 8 K/V heads against the repeat-interleaved reference, batch-first or not), TP and SP: == dense
   forward and backward, the bytes on the wire == the closed forms (replicated K/V heads: one all-reduce more, of
   their grads), parameter bytes per rank, every gradient contiguous; bf16 within 2**-6 of the dense bf16 modules;
+  at 8 ranks the world only, and only the blocks whose K/V heads replicate there, with the MLP;
 - fused_shard's rows, index by index; [gate; up] split as it lies is wrong;
 - bytes saved for backward (tests.tools.kept_for_backward): MLP TP V + 2A, SP V/p + 2A; attention V - V/p less;
 - the SP slice check: one 64-B all-gather a call (none with check_slices=False), unequal slices refused on every rank;
-- dW in W.grad in a plain model (torch.optim.SGD moves the SP weight exactly as the dense one), and the main_grad
-  handshake as a data-parallel wrapper drives it: fused, tied (zero_out_wgrad), declined, a bf16 weight with an
-  fp32 main_grad, a replicated K/V layer (the layer declines, the wrapper adds W.grad);
-- TP x DP groups from tp_dp_groups: members, sums, DP-averaged TP grads == dense over all micro-batches;
+- (at 1, 2, 4 ranks) nanoGPT's own modules; bf16; dW in W.grad in a plain model (torch.optim.SGD moves the SP
+  weight exactly as the dense one), and the main_grad handshake as a data-parallel wrapper drives it: fused, tied
+  (zero_out_wgrad), declined, a bf16 weight with an fp32 main_grad, a replicated K/V layer (the layer declines,
+  the wrapper adds W.grad); TP x DP groups from tp_dp_groups: members, sums, DP-averaged TP grads == dense;
 - every refusal a block makes at its boundary: the last valid value passes, the first invalid one is refused in one
   line (before any message where the block can tell alone), on every rank.
 """
@@ -256,12 +257,12 @@ def mha_attention(seed, device, dtype=F64):
     return fn, make, pairs, False, HEADS
 
 
-def gqa_attention(seed, n_kv, device, dtype=F64, batch_first=True):
+def gqa_attention(seed, n_kv, device, dtype=F64, batch_first=True, bias=True):
     """A nanoGPT-style GQA attention module (fused c_attn [q; k; v], c_proj) and its reference forward written with
     repeat_interleave (each K/V head copied to the H/n_kv query heads that read it), not SDPA's enable_gqa."""
     torch.manual_seed(seed)
-    c_attn = nn.Linear(HIDDEN, (HEADS + 2 * n_kv) * D, device=device, dtype=dtype)
-    c_proj = nn.Linear(HIDDEN, HIDDEN, device=device, dtype=dtype)
+    c_attn = nn.Linear(HIDDEN, (HEADS + 2 * n_kv) * D, bias=bias, device=device, dtype=dtype)
+    c_proj = nn.Linear(HIDDEN, HIDDEN, bias=bias, device=device, dtype=dtype)
     user = SimpleNamespace(c_attn=c_attn, c_proj=c_proj, n_head=HEADS, n_kv_head=n_kv, dropout=0.0)
 
     def fn(x):                                            # [b, s, h] (batch_first) or [s, b, h]
@@ -282,8 +283,8 @@ def cases(device, dtype=F64, only=None):
     every = {"MLP": lambda: dense_mlp(2, device, dtype), "SwiGLU": lambda: dense_mlp(3, device, dtype, gated=True),
              "SwiGLU without biases": lambda: dense_mlp(3, device, dtype, gated=True, bias=False),
              "MHA": lambda: mha_attention(2, device, dtype)}
-    every.update({f"GQA, {n} K/V heads{', [s, b, h]' * (n == 4)}":
-                  (lambda n=n: gqa_attention(6 + n, n, device, dtype, n != 4)) for n in (1, 2, 4, 8)})
+    every.update({f"GQA, {n} K/V heads{', [s, b, h]' * (n == 4)}{', no biases' * (n == 2)}":
+                  (lambda n=n: gqa_attention(6 + n, n, device, dtype, n != 4, n != 2)) for n in (1, 2, 4, 8)})
     return [(name, make()) for name, make in every.items()
             if only is None or name in only or name.split(",")[0] in only]
 
@@ -307,7 +308,8 @@ def blocks(groups, device, only=None):
                 par = make(group=group, sequence_parallel=sp)
                 t = check_against_dense(fn, par, xx, dd, group, lambda: pairs(par), seq_dim, seq_dim)
                 replicated = n_kv < p
-                kv_bytes = 2 * n_kv * D * (HIDDEN + 1) * F64.itemsize     # K and V rows, weight and bias columns
+                has_bias = pairs(par)[0][2] is not None
+                kv_bytes = 2 * n_kv * D * (HIDDEN + has_bias) * F64.itemsize   # K and V rows: weight (and bias)
                 assert names(t) == ((comms + ["all_reduce"] * replicated) if p > 1 else []), (name, sp, t.calls)
                 if replicated:                                # one all-reduce more: the replicated K/V grads
                     assert t.calls[-1][2] == kv_bytes, (name, t.calls)
@@ -538,7 +540,7 @@ def bfloat16(device):
     x, dy = (torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(s)).to(device, torch.bfloat16)
              for s in (6, 7))
     for name, (fn, make, pairs, batch_first, _) in cases(device, torch.bfloat16,
-                                                         ("MLP", "SwiGLU", "MHA", "GQA, 2 K/V heads")):
+                                                         ("MLP", "SwiGLU", "MHA", "GQA, 2 K/V heads, no biases")):
         xx, dd = (x.transpose(0, 1), dy.transpose(0, 1)) if batch_first else (x, dy)
         for sp in (False, True):
             par = make(sequence_parallel=sp)
@@ -552,8 +554,8 @@ def bfloat16(device):
             for got, want in [(y_p, y), (x_p.grad, x_d.grad)]:
                 torch.testing.assert_close(got, cut(want), rtol=BF16_TOL, atol=BF16_TOL)
             assert all(p.grad.dtype == torch.bfloat16 for p in par.parameters()), name
-    log("MLP, SwiGLU, MHA, GQA (2 K/V heads: replicated from p = 4), TP and SP, in bf16 (the collectives too): "
-        "output and input grad == the dense bf16 modules' within rtol = atol = 2**-6; every grad bf16")
+    log("MLP, SwiGLU, MHA, GQA (2 K/V heads, no biases: replicated from p = 4), TP and SP, in bf16 (the collectives "
+        "too): output and input grad == the dense bf16 modules' within rtol = atol = 2**-6; every grad bf16")
 
 
 def tp_dp_grid(device):
