@@ -114,26 +114,26 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
-def column(weights, group):
-    """A ColumnParallelLinear (SP, dW into main_grad) of this rank's rows of each of `weights` in turn, fused by
-    rank (wq|wk|wv: its query heads, then its K/V heads): a contiguous split of [wq; wk; wv] gives rank 0 all q."""
-    tp = dist.get_world_size(group)
-    dense = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=False, device="meta")
-    dense.weight = nn.Parameter(torch.cat([w.chunk(tp)[t] for t in range(tp) for w in weights]).detach())
-    return tp_layers.ColumnParallelLinear.from_dense(dense, group, sequence_parallel=True,
-                                                     gradient_accumulation_fusion=True, check_slices=False)
+def fused(*linears):
+    """One dense nn.Linear whose rows are the linears' in turn ([wq; wk; wv], [w1; w3]): what 05's fused_shard
+    splits by pieces, rank t getting its query heads, then its K/V heads (its gate, then its up rows)."""
+    dense = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=False, device="meta")
+    dense.weight = nn.Parameter(torch.cat([m.weight for m in linears]).detach())
+    return dense
 
 
 class Attention(nn.Module):
-    """Grouped-query attention on this rank's heads, [s/tp, b, h] in and out: wqkv all-gathers the sequence, q and
-    k turn by their global positions (the whole sequence: 0..s-1), wo reduce-scatters the sequence again."""
+    """Grouped-query attention on this rank's heads, [s/tp, b, h] in and out: wqkv (05's column layer, fused by
+    heads) all-gathers the sequence, q and k turn by their global positions (the whole sequence, 0..s-1: 06's
+    apply_rope), SDPA, wo reduce-scatters the sequence again."""
 
     def __init__(self, dense, heads, kv_heads, group):
         super().__init__()
         tp = dist.get_world_size(group)
-        self.wqkv = column([dense.wq.weight, dense.wk.weight, dense.wv.weight], group)
+        self.wqkv = tp_layers.ColumnParallelLinear.from_dense(fused(dense.wq, dense.wk, dense.wv), group, fused=(
+            heads, kv_heads, kv_heads), sequence_parallel=True, check_slices=False)   # (slices: a reduce-scatter's)
         self.wo = tp_layers.RowParallelLinear.from_dense(dense.wo, group, sequence_parallel=True)
-        self.split = [heads // tp, kv_heads // tp, kv_heads // tp]
+        self.split = [heads // tp, max(kv_heads // tp, 1), max(kv_heads // tp, 1)]   # (tp > H_kv: replicated)
 
     def forward(self, x):
         qkv = self.wqkv(x)                                            # [s, b, (H + 2 H_kv) d / tp]
@@ -145,17 +145,12 @@ class Attention(nn.Module):
         return self.wo(o.permute(2, 0, 1, 3).flatten(2))              # [s, b, H d/tp] -> [s/tp, b, h]
 
 
-class FeedForward(nn.Module):
-    """SwiGLU on this rank's ffn/tp columns, [s/tp, b, h] in and out: w13 (gate | up) column-, w2 row-parallel."""
-
-    def __init__(self, dense, group):
-        super().__init__()
-        self.w13 = column([dense.w1.weight, dense.w3.weight], group)
-        self.w2 = tp_layers.RowParallelLinear.from_dense(dense.w2, group, sequence_parallel=True)
-
-    def forward(self, x):
-        gate, up = self.w13(x).chunk(2, -1)                           # [s, b, ffn/tp] each
-        return self.w2(F.silu(gate) * up)
+def feed_forward(dense, group):
+    """SwiGLU on this rank's ffn/tp columns, [s/tp, b, h] in and out: 05's gated parallel_mlp, w1|w3 fused."""
+    mlp = tp_layers.parallel_mlp((fused(dense.w1, dense.w3), nn.SiLU(), dense.w2), group, sequence_parallel=True,
+                                 gated=True)
+    mlp[0].check_slices = False                                       # its slices come from a reduce-scatter
+    return mlp
 
 
 class LlamaStage(nn.Module):
@@ -173,12 +168,14 @@ class LlamaStage(nn.Module):
         self.layers = nn.ModuleList(nn.ModuleDict(dict(
             attention_norm=copy.deepcopy(blk.attention_norm), ffn_norm=copy.deepcopy(blk.ffn_norm),
             attention=Attention(blk.attention, llama.heads, llama.kv_heads, tp),
-            feed_forward=FeedForward(blk.feed_forward, tp))) for blk in llama.layers[grid.p * per:(grid.p + 1) * per])
+            feed_forward=feed_forward(blk.feed_forward, tp))) for blk in llama.layers[grid.p * per:(grid.p + 1) * per])
         if self.is_first:                      # reduce-scattered to [s/tp, b, h] (Megatron's reduce_scatter_embeddings)
             self.tok_embeddings = vocab_par.VocabParallelEmbedding.from_dense(llama.tok_embeddings, tp,
                                                                                sequence_parallel=True)
         if self.is_last:
-            self.norm, self.output = copy.deepcopy(llama.norm), column([llama.output.weight], tp)   # V/tp rows
+            self.norm = copy.deepcopy(llama.norm)
+            self.output = tp_layers.ColumnParallelLinear.from_dense(llama.output, tp, sequence_parallel=True,
+                                                                    check_slices=False)   # its V/tp rows
             if llama.tied and self.is_first:
                 self.output.weight = self.tok_embeddings.weight
                 self.output.weight.zero_out_wgrad = True
@@ -219,8 +216,8 @@ def train_step(model, optimizer, comm, ids, targets, before_step=None):
     """One step of this rank: the micro-batches through the pipeline in 1F1B order (08), their gradients added up
     without DP traffic (no_sync); finalize_grads; ZeRO's reduce-scatter and AdamW step (09). Returns the mean
     loss over this replica's micro-batches on the last stage, else None."""
-    def loss_fn(logits, target):                                      # logits [s, b, V/tp], target [b, s]
-        return vocab_par.vocab_parallel_cross_entropy(logits, target.t(), group=model.grid.tp)
+    def loss_fn(logits, target):                  # logits [s, b, V/tp] (equal slices: no check), target [b, s]
+        return vocab_par.vocab_parallel_cross_entropy(logits, target.t(), group=model.grid.tp, check_slices=False)
 
     with model.no_sync():
         loss, _, _ = pipeline.run_schedule(model.module, pipeline.schedule_1f1b, comm, ids, targets, loss_fn)
