@@ -34,7 +34,7 @@ def slowest(seconds, device):
 
 
 def main():
-    launched_world_size()                                  # `python bench/07_loss.py` runs it under torchrun
+    world = launched_world_size()                          # `python bench/07_loss.py` runs it under torchrun
     small = os.environ.get("BENCH_SMALL", "").strip()
     if small not in ("", "0", "1"):
         refuse(f"BENCH_SMALL={os.environ['BENCH_SMALL']!r}: 1 runs [64, 1024/W] logits twice, 0 (or unset) the full "
@@ -45,9 +45,9 @@ def main():
     from tests.tools import lesson
     m = lesson("07_vocab_parallel.py")
     tokens, vocab, rounds = (64, 1024, 2) if small == "1" else (1024, 32768, int(os.environ.get("BENCH_ROUNDS", "21")))
-    rank, world, device = setup()
     if vocab % world:
         refuse(f"a vocabulary of {vocab} splits over a power of two ranks, not {world}")
+    rank, world, device = setup()
     head(f"cross-entropy on [{tokens}, {vocab}/{world}] fp32 logits a rank, forward + backward, {rounds} rounds; "
          f"{dist.get_backend()}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     gen = torch.Generator().manual_seed(0)

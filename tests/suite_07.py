@@ -1,7 +1,7 @@
-"""07's runs that need a setting: a world size that does not divide the vocabulary (5 ranks: 384 rows for the check
-script, 48 for the lesson) is refused by the lesson and its check script, and a BENCH_SMALL other than 1, 0 or unset
-by its benchmark, in one line on every rank, before any work. The nearest sizes that fit (4 below, and 3, 8) run in
-the world-size tests, and the benchmark's BENCH_SMALL=1 in the benchmark test."""
+"""07's runs that need a setting, each refused in one line on every rank before any work: a world size that does
+not divide the vocabulary (5 ranks: 48 rows in the lesson, 384 in its check script) by both, and by the benchmark a
+BENCH_SMALL other than 1, 0 or unset, and 3 ranks (its vocabulary is a power of two). The sizes that fit run in the
+world-size tests (1, 2, 3, 4, 8), the benchmark's BENCH_SMALL=1 in the benchmark test."""
 from tests.launch import REFUSED, launch
 
 
@@ -20,3 +20,5 @@ def test_07_world_size_5_is_refused_on_every_rank():
 def test_07_bench_refuses_a_bad_bench_small():
     _refused_everywhere(launch("bench/07_loss.py", 2, extra_env={"BENCH_SMALL": "yes"}, real_exit=False), 2,
                         "BENCH_SMALL='yes'")
+    _refused_everywhere(launch("bench/07_loss.py", 3, extra_env={"BENCH_SMALL": "1"}, real_exit=False), 3,
+                        "a vocabulary of 1024 splits over a power of two ranks, not 3")
