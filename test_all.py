@@ -241,6 +241,59 @@ def test_the_contract_check_catches_a_non_contiguous_tensor(tmp_path):
                for e in run_.errs), run_.report()
 
 
+@pytest.mark.parametrize("op, call", [
+    ("all_gather", "dist.all_gather([torch.ones(2, 3).t()], torch.ones(3, 2))"),           # a list of outputs
+    ("batch_isend_irecv", "dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2, 3).t(), 0)])"),
+    ("isend", "dist.isend(torch.ones(2, 3).t(), 0)"),
+    ("all_reduce", "dist.all_reduce(torch.ones(2, device='meta'))"),                       # not the lesson's device
+])
+def test_the_contract_check_covers_every_way_a_tensor_is_handed(tmp_path, op, call):
+    script = probe(tmp_path, f"""
+        import torch, torch.distributed as dist
+        from common import finish, setup
+        rank, world, device = setup()
+        {call}
+        finish("unreachable")
+    """)
+    run_ = launch(script, 1, real_exit=False)
+    assert run_.codes == [1], run_.report()
+    assert f"NCCL's contract: dist.{op} was handed a" in run_.errs[0], run_.report()
+
+
+def test_check_passed_can_fail():
+    """A warning, an abort, a crash, a time-out, a failed rank, a last line that is not the summary: each fails."""
+    ok = "[R0] all checks passed: x\n"
+    check_passed(Run([0, 0], [ok, ""], ["", ""], False, 0.0))
+    for bad in (Run([0, 0], [ok, ""], ["", "/x.py:3: UserWarning: y\n"], False, 0.0),
+                Run([0, 0], [ok, ""], ["", "terminate called after throwing an instance of 'c10::Error'\n"], False, 0),
+                Run([0, 0], [ok, "Segmentation fault (core dumped)\n"], ["", ""], False, 0.0),
+                Run([0, 0], [ok, ""], ["", ""], True, 0.0),
+                Run([0, 1], [ok, ""], ["", ""], False, 0.0),
+                Run([0, 0], [ok + "[R0] more\n", ""], ["", ""], False, 0.0)):
+        with pytest.raises(AssertionError):
+            check_passed(bad)
+
+
+@pytest.mark.parametrize("gpus, refused", [(1, False), (0, True)])
+def test_nccl_with_one_gpu_per_process_is_not_refused(tmp_path, gpus, refused):
+    """CUDA faked to report `gpus` devices (setup() stopped at set_device): 1 process on 1 GPU goes on, on 0 is
+    refused. The fake stands in for -m gpu, which no CPU machine runs."""
+    script = probe(tmp_path, f"""
+        import sys, torch
+        torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: {gpus})
+        def stop(device):
+            print("past the refusal"); sys.exit(0)
+        torch.cuda.set_device = stop
+        import common
+        common.setup()
+    """)
+    run_ = launch(script, 1, extra_env={"BACKEND": "nccl"}, real_exit=False)
+    if refused:
+        assert run_.codes == [2] and "NCCL needs one CUDA device per process" in run_.errs[0], run_.report()
+    else:
+        assert run_.codes == [0] and "past the refusal" in run_.outs[0], run_.report()
+
+
 def test_importing_a_lesson_starts_nothing_and_prints_nothing():
     _has_lessons()
     code = ("import importlib.util, sys, torch.distributed as dist\n"
@@ -473,6 +526,37 @@ def test_trace_merge_puts_ranks_with_different_clocks_on_one_timeline():
         assert next(e for e in events if e.get("name") == "flow")["id"] == 7 + (r << 32)
         assert {e["args"]["name"] for e in events if e.get("name") == "process_name"} == {f"rank {r}"}
         assert [e["args"]["name"] for e in events if e.get("name") == "thread_name"] == ["main thread"]
+
+
+def test_trace_merge_shifts_every_event_and_keeps_every_name():
+    """Every timed event shifted (flows and instants too), every flow id (s, t, f) made unique, the sort index the
+    rank, a thread named twice keeps its last name."""
+    spec = importlib.util.spec_from_file_location("_trace_probe", HERE / "tools" / "trace.py")
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+
+    def one(base, pid):
+        return {"baseTimeNanoseconds": base, "traceEvents": [
+            {"ph": "M", "pid": pid, "tid": pid, "name": "thread_name", "args": {"name": "python"}},
+            {"ph": "M", "pid": pid, "tid": 7, "name": "thread_name", "args": {"name": "old"}},
+            {"ph": "M", "pid": pid, "tid": 7, "name": "thread_name", "args": {"name": "pt_gloo_runloop"}},
+            {"ph": "X", "pid": pid, "tid": pid, "ts": 5.0, "dur": 1.0, "name": "op"},
+            {"ph": "s", "pid": pid, "tid": pid, "ts": 5.0, "id": 7, "name": "flow"},
+            {"ph": "t", "pid": pid, "tid": 7, "ts": 5.5, "id": 7, "name": "flow"},
+            {"ph": "f", "pid": pid, "tid": 7, "ts": 6.0, "id": 7, "name": "flow", "bp": "e"},
+            {"ph": "i", "pid": pid, "tid": pid, "ts": 6.5, "name": "mark", "s": "t"}]}
+    bases = [3_000_000, 1_000_000]
+    for r in (0, 1):
+        raw = one(bases[r], 100 + r)
+        events = trace.merge(r, raw, bases, 100 + r)
+        shift = 2000.0 if r == 0 else 0.0
+        timed_in = [e for e in raw["traceEvents"] if "ts" in e]
+        timed_out = [e for e in events if "ts" in e]
+        assert [e["ts"] for e in timed_out] == [e["ts"] + shift for e in timed_in], (r, timed_out)  # every event
+        assert [e["id"] for e in events if e.get("ph") in ("s", "t", "f")] == [7 + (r << 32)] * 3
+        assert [e["args"]["sort_index"] for e in events if e.get("name") == "process_sort_index"] == [r]
+        names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        assert names == {100 + r: "main thread", 7: "pt_gloo_runloop"}, names       # the last name of a tid
 
 
 def test_ring_bytes_are_nccl_tests_bus_factors():

@@ -209,6 +209,9 @@ def refusals(rank, W, device):
         assert f"size {rows} of dim 0 is not divisible by the group size {W}" in said, said
     said = refused(lambda: m.scatter_along_dim(torch.zeros(2 * W, 4, dtype=F64, device=device), out, 0, src=rank))
     assert "slice has shape (2, 4), out has (2, 3)" in said, said
+    said = refused(lambda: m.scatter_along_dim(torch.zeros(2 * W, 3, dtype=F64, device=device),  # same numel,
+                                               torch.empty(3, 2, dtype=F64, device=device), 0, src=rank))  # transposed
+    assert "slice has shape (2, 3), out has (3, 2)" in said, said
     x = torch.full((1, 2), float(rank), dtype=F64, device=device)
     rows = torch.arange(dist.get_world_size(), dtype=F64, device=device)[:, None]
     for dim, ref in ((-2, rows.expand(W, 2)), (1, rows.expand(W, 1).repeat(1, 2).view(1, 2 * W))):
