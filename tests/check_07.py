@@ -378,7 +378,9 @@ def section_dtypes(rank, world, device):
         ref.backward()
         loss.backward()
         torch.testing.assert_close((loss, leaf.grad), (ref, full.grad[..., lo:hi]))
-    one = OURS(z[0, 0, slice(*m.vocab_range(V))], target[0, 0], reduction="none")
+    with traffic() as fwd:
+        one = OURS(z[0, 0, slice(*m.vocab_range(V))], target[0, 0], reduction="none")
+    assert fwd.calls == [("all_gather", ranks_of(None), CHECK), ("all_gather", ranks_of(None), 3 * 8)] * (world > 1)
     torch.testing.assert_close(one, F.cross_entropy(z[0, 0], target[0, 0], reduction="none"))  # shape () too
     assert one.shape == () and same_on_every_rank(one)
     log("ignore_index -100 and 7 (inside [0, V)), -1 and V; reduction none, mean over the tokens not ignored, sum "
