@@ -253,10 +253,3 @@ def traffic():
             return func(*args, **(kwargs or {}))
 
     return Traffic()
-
-
-def __getattr__(name):  # for the lessons not yet moved: the instruments now live in tests/tools.py
-    if name in ("memory", "held_bytes", "kept_for_backward", "replays", "refused", "strided_groups"):
-        from tests import tools
-        return getattr(tools, name)
-    raise AttributeError(name)

@@ -422,6 +422,8 @@ def zigzag(groups, device):
     m.shard_positions(2 * P)
     rejected(lambda: m.shard_positions(2 * P + 1), f"sequence length={2 * P + 1} is not divisible by 2 x {P}")
     m.shard_positions(P, zigzag=False)
+    for zig in (True, False):  # on the device asked for, not torch's default ("meta": any machine can tell)
+        assert m.shard_positions(2 * P, zigzag=zig, device="meta").device.type == "meta", zig
     if P > 1:
         rejected(lambda: m.shard_positions(P + 1, zigzag=False), f"x.shape[0]={P + 1} is not divisible")
     log("zig-zag: rows r and 2P-1-r, shard_positions (zig-zag and contiguous), shard from a strided view, unshard "

@@ -893,6 +893,72 @@ def checkpoints(rank, W, device, where=None, phase=None):
     log(said if len(said) <= 114 else said[:said.rfind(" ", 0, 111)] + " ...")
 
 
+# ---- issue 31's probes: states and refusals no section reached ---------------------------------------------------
+class Reversed(nn.Module):
+    """Two layers used in forward in the reverse of their registration: backward completes the buckets out of the
+    wrapper's predicted order."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.a(self.b(x))
+
+
+def probes_31(rank, W, device):
+    head("12. Issue 31's probes: mixed dtypes, buffers across ranks, no_sync's restore, out-of-order buckets, bf16 "
+         "p.grad, ZeRO-3's arrival count")
+    # a parameter group of two dtypes: one bucket per dtype, every parameter keeps its own
+    net = nn.Sequential(nn.Linear(3, 3).to(device, F64), nn.Linear(3, 3).to(device, torch.float32))
+    model, _ = wrap(DDP, net, sgd, cap=mb(1000))
+    assert [p.dtype for p in net.parameters()] == [F64, F64, torch.float32, torch.float32]
+    assert sorted(str(b.flat.dtype) for b in model.buckets) == ["torch.float32", "torch.float64"], model.buckets
+    # a buffer that differs across ranks: refused at wrap time, one line (not gloo's abort in the broadcast)
+    if W > 1:
+        net = nn.Linear(4, 4).to(device, F64)
+        net.register_buffer("scale", torch.ones(2 + (rank == W - 1), device=device, dtype=F64))
+        try:
+            DDP(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        except ValueError as e:
+            assert str(e).startswith("the module differs across ranks") and "scale" in str(e), str(e)
+        else:
+            raise AssertionError("a buffer differing across ranks was accepted")
+    # no_sync() restores the flag as it found it (require_backward_grad_sync=False outside stays False)
+    for cls in CLASSES:
+        model, _ = wrap(cls, tied_lm(device))
+        model.require_backward_grad_sync = False
+        with model.no_sync():
+            pass
+        assert model.require_backward_grad_sync is False, cls.__name__
+    # buckets that backward completes out of the predicted order: each started by the hook that completed it, none
+    # left for backward's end
+    for cls in CLASSES:
+        model, optimizer = wrap(cls, Reversed().to(device, F64), sgd, cap=1e-12)  # a bucket per parameter
+        waiting, sync = [], model.sync_gradients
+        model.sync_gradients = lambda: (waiting.append(sum(b.grad is not None and b.work is None
+                                                           for b in model.buckets)), sync())[1]
+        model(torch.ones(2, 3, device=device, dtype=F64)).sum().backward()
+        assert waiting == [0] and all(b.opt.grad is not None for b in model.buckets), (cls.__name__, waiting)
+    # bf16 DDP: p.grad is refused (the reduced gradient is an fp32 copy), not handed out in another dtype
+    model, optimizer = wrap(DDP, tied_lm(device, torch.bfloat16))
+    F.cross_entropy(model(rank_batch(0, rank, device)[0]), rank_batch(0, rank, device)[1]).backward()
+    one_line(lambda: model.module.l1.weight.grad, RuntimeError,
+             "l1.weight.grad: DDP keeps only an fp32 copy beside the bf16 the reduced gradient")
+    # ZeRO-3: after a step where one layer got no gradient, later backwards still free the bucket when they end
+    net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)).to(device, F64)
+    model, optimizer = wrap(ZeRO3, net, lambda n: torch.optim.SGD(n.parameters(), lr=0.1), cap=mb(100))
+    x = torch.linspace(-1, 1, 12, dtype=F64, device=device).view(4, 3).requires_grad_()  # layer 0's W read too
+    for layers in (1, 2, 2, 2):
+        (model(x) if layers == 2 else model.module[0](x)).pow(2).sum().backward()
+        if layers == 2:
+            assert held_bytes(b.flat for b in model.buckets) == 0, layers  # freed once its gradients are in
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    log("a group of two dtypes: two buckets; a buffer differing across ranks refused; no_sync() restores False; "
+        "out-of-order buckets all in flight at backward's end; bf16 p.grad refused; ZeRO-3 frees after a partial step")
+
+
 def main():
     rank, W, device = setup()
     if os.environ.get("CKPT_PHASE"):  # CKPT=DIR CKPT_PHASE=save, then (new processes) CKPT_PHASE=load
@@ -903,7 +969,7 @@ def main():
     few = W <= 2
     sections = [(nanogpt_loop, few), (buckets, True), (exact_and_counted, True), (overlap, few),
                 (bytes_held, few or W == 3), (bf16, few or W == 3), (handshake, few), (zero3_states, few or W == 4),
-                (states, few), (refusals, few or W == 4), (checkpoints, few)]  # (the suite: checkpoints at 4)
+                (states, few), (refusals, few or W == 4), (checkpoints, few), (probes_31, few)]  # (the suite: checkpoints at 4)
     for section, runs in sections:
         if runs:
             section(rank, W, device)
