@@ -44,7 +44,7 @@ import torch.nn.functional as F
 # the P2P layer --------------------------------------------------------------------------------------------
 HEADER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
                  torch.bool)                 # a message's header: [its dtype's index here, ndim, dims padded to 5]
-HEADER_NDIM = 5
+MAX_NDIM = 5
 
 
 class P2PCommunicator:
@@ -64,9 +64,9 @@ class P2PCommunicator:
         self.stage, self.num_stages = dist.get_rank(self.group), dist.get_world_size(self.group)
         if self.stage < 0:
             raise ValueError(f"rank {dist.get_rank()} is not in the pipeline group")
-        if dtype not in HEADER_DTYPES or len(shape) > HEADER_NDIM:
+        if dtype not in HEADER_DTYPES or len(shape) > MAX_NDIM:
             raise ValueError(f"a message's header names a dtype of {[str(d)[6:] for d in HEADER_DTYPES]} and at "
-                             f"most {HEADER_NDIM} dims; got {dtype}, shape {tuple(shape)}")
+                             f"most {MAX_NDIM} dims; got {dtype}, shape {tuple(shape)}")
         ranks = dist.get_process_group_ranks(self.group)           # isend/irecv take global ranks
         self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
         self.prev, self.next = ranks[(self.stage - 1) % self.num_stages], ranks[(self.stage + 1) % self.num_stages]
@@ -124,7 +124,7 @@ class P2PCommunicator:
                 meanwhile()
             return self._loop[0].pop(0) if recv_prev else None, self._loop[1].pop(0) if recv_next else None
         out = [[] if t is None else [self._header(t).to(self.device), self._padded(t)] for t in sends]
-        inbox = [[torch.empty(2 + HEADER_NDIM, dtype=torch.int64, device=self.device),
+        inbox = [[torch.empty(2 + MAX_NDIM, dtype=torch.int64, device=self.device),
                   torch.empty(self.shape, dtype=self.dtype, device=self.device)] if want else []
                  for want in (recv_prev, recv_next)]
         self._p2p(*out, *inbox, wait_sends, meanwhile)
@@ -134,7 +134,7 @@ class P2PCommunicator:
             if told is not None and self._bad(told):
                 wrong.append(self._said(f"stage {self.stage} got from stage {peer} a " + (
                     f"{HEADER_DTYPES[told[0]] if told[0] >= 0 else 'another dtype'} tensor of " +
-                    (f"shape {tuple(told[2:2 + told[1]])}" if told[1] <= HEADER_NDIM else f"{told[1]} dims"))))
+                    (f"shape {tuple(told[2:2 + told[1]])}" if told[1] <= MAX_NDIM else f"{told[1]} dims"))))
             elif told is not None and told[2:2 + told[1]] != list(self.shape):   # variable_shapes: its corner
                 box[1] = box[1][tuple(slice(0, n) for n in told[2:2 + told[1]])].clone()
             got.append(box[1] if box else None)
@@ -143,9 +143,9 @@ class P2PCommunicator:
         return tuple(got)
 
     def _header(self, t):                            # [dtype's index in HEADER_DTYPES (-1: none), ndim, dims]
-        dims = list(t.shape)[:HEADER_NDIM] if t.dim() <= HEADER_NDIM else []
+        dims = list(t.shape)[:MAX_NDIM] if t.dim() <= MAX_NDIM else []
         return torch.tensor([HEADER_DTYPES.index(t.dtype) if t.dtype in HEADER_DTYPES else -1, t.dim(), *dims,
-                             *[0] * (HEADER_NDIM - len(dims))], dtype=torch.int64)
+                             *[0] * (MAX_NDIM - len(dims))], dtype=torch.int64)
 
     def _bad(self, told):                            # a header that says: not what this pipeline moves
         shape, want = told[2:2 + told[1]], self.shape

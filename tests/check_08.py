@@ -35,7 +35,7 @@ from tests.tools import held_bytes, lesson, memory, refused, replays, strided_gr
 m = lesson("08_pipeline_1f1b.py")
 HIDDEN, ROWS, M, V = m.HIDDEN, m.ROWS, m.M, m.V
 F64 = torch.float64
-HEADER = 8 * (2 + m.HEADER_NDIM)                     # a message's header: 7 int64
+HEADER = 8 * (2 + m.MAX_NDIM)                     # a message's header: 7 int64
 NAME = {m.schedule_1f1b: "1F1B", m.schedule_gpipe: "GPipe", m.schedule_interleaved_1f1b: "interleaved",
         m.schedule_zb_h1: "ZB-H1"}
 
@@ -681,9 +681,9 @@ def check_refusals(device, rank, world):
     assert len(m.stage_layers(blocks, 2, 1, 2)) == 2 and len(m.stage_layers(blocks, 4, 3)) == 2
     said(lambda: m.stage_layers(blocks, 3, 0), "8 blocks do not split evenly")
     said(lambda: m.op_ticks([[("B", 0, 0), ("F", 0, 0)], [("F", 0, 0), ("B", 0, 0)]]), "the schedules wait")
-    # the communicator: HEADER_NDIM dims pass, one more is refused; a dtype its header cannot name is refused
-    m.P2PCommunicator((1,) * m.HEADER_NDIM, torch.bool, device)
-    for shape, dtype in (((1,) * (m.HEADER_NDIM + 1), F64), ((2,), torch.complex64)):
+    # the communicator: MAX_NDIM dims pass, one more is refused; a dtype its header cannot name is refused
+    m.P2PCommunicator((1,) * m.MAX_NDIM, torch.bool, device)
+    for shape, dtype in (((1,) * (m.MAX_NDIM + 1), F64), ((2,), torch.complex64)):
         said(lambda: m.P2PCommunicator(shape, dtype, device), "a message's header names")
     alone = dist.new_group([0], timeout=pg_timeout())
     if rank != 0:
