@@ -27,7 +27,8 @@ One step, bytes each rank SENDS (ring: all-reduce 2(n-1)/n of its input, all-gat
       micro-batch, stage 0: the embedding's reduce-scatter and its backward all-gather; the last stage: the head's
       2 all-gathers + 1 reduce-scatter and the loss's all-gather of 3 fp32 a token. Per step: the norms'
       gradients, an all-reduce of 2h a layer (+h on the last stage).
-  PP per micro-batch: A/t forward unless last stage, A/t back unless first. Tied, pp > 1: V/t*h all-reduced once.
+  PP per micro-batch: A/t forward unless last stage, A/t back unless first, each behind a header of 56 B (08).
+      Tied, pp > 1: the embedding group all-reduces V/t*h once.
   DP per bucket: reduce-scatter (dp-1)/dp of its gradients; all-gather (dp-1)/dp of its parameters once (ZeRO-2)
       or for each F and each B, 2m times (ZeRO-3).
 Bytes each rank HOLDS at its peak, P parameters a rank: parameters P*ep (ZeRO-3: P/dp*ep + the buckets in use);
@@ -36,9 +37,8 @@ master for narrower parameters); activations: stage p keeps min(pp - p, m) micro
 (4H + 3H_kv)d + 4 ffn) a layer (flash attention); the last stage also its logits and their gradient.
 
     torchrun --nproc-per-node=8 10_3d_parallel.py     (1-4 ranks too; ZERO=3: ZeRO-3; TIED=0: Llama 3's head)
-bench/10_scale.py evaluates the forms for any Llama and grid. tests/check_10.py proves the rest: other grids (middle
-stages), refusals at their boundaries, each gradient shard before the DP reduction, dW fused into main_grad, a bf16
-step's traffic, the bytes held, the joint of 06's SP block and 09's wrappers, published Llamas' parameter counts.
+bench/10_scale.py evaluates these forms for any Llama on any grid: the seconds at link speeds, the bytes held.
+tests/check_10.py proves the rest: more grids, gradient shards, fused dW, bf16 traffic, bytes held, refusals, joints.
 """
 import torch
 import torch.distributed as dist
@@ -50,8 +50,8 @@ import copy
 import importlib
 from fractions import Fraction
 
-tp_layers = importlib.import_module("05_tp_layers")          # Column/RowParallelLinear (SP), SP gradients' sum
-seq_par = importlib.import_module("06_sequence_parallel")    # rotary positions
+tp_layers = importlib.import_module("05_tp_layers")          # Column/RowParallelLinear (SP, fused), SwiGLU MLP
+seq_par = importlib.import_module("06_sequence_parallel")    # apply_rope: rotary positions
 vocab_par = importlib.import_module("07_vocab_parallel")     # VocabParallelEmbedding, the vocab-parallel loss
 pipeline = importlib.import_module("08_pipeline_1f1b")       # schedule_1f1b, P2PCommunicator, run_schedule
 data_par = importlib.import_module("09_ddp_zero2")           # ZeRO-2, ZeRO-3 (nn.Modules, main_grad handshake)
@@ -59,8 +59,8 @@ data_par = importlib.import_module("09_ddp_zero2")           # ZeRO-2, ZeRO-3 (n
 
 class Grid:
     """dp x pp x tp process groups, tp fastest: rank = (d * pp + p) * tp + t. Every rank creates every group, in
-    the same order (dist.new_group's rule). self.tp / .pp / .dp / .embedding: this rank's groups (a middle stage
-    is in no embedding group: None); self.ranks: {kind: [global ranks of each group]}; self.d, .p, .t: this
+    the same order (dist.new_group's rule). self.tp / .pp / .dp / .embedding: this rank's groups (embedding: None
+    on a middle stage and where pp = 1); self.ranks: {kind: [global ranks of each group]}; self.d, .p, .t: this
     rank's coordinates (replica, stage, TP rank). timeout: the groups' (None: torch's default, 30 min on gloo)."""
 
     def __init__(self, dp, pp, tp, timeout=None):
@@ -74,10 +74,11 @@ class Grid:
         self.ranks = {"tp": [[at(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
                       "pp": pipes,
                       "dp": [[at(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-                      "embedding": [sorted({ranks[0], ranks[-1]}) for ranks in pipes]}  # first + last stage
-        for kind, groups in self.ranks.items():
-            made = [dist.new_group(ranks, timeout=timeout) for ranks in groups]
-            setattr(self, kind, next((g for g, ranks in zip(made, groups) if rank in ranks), None))
+                      "embedding": [[ranks[0], ranks[-1]] for ranks in pipes if pp > 1]}  # first, last stage
+        for kind in ("tp", "pp", "dp"):
+            made = [dist.new_group(ranks, timeout=timeout) for ranks in self.ranks[kind]]
+            setattr(self, kind, next(g for g, ranks in zip(made, self.ranks[kind]) if rank in ranks))
+        self.embedding = pipeline.embedding_group(pipes, timeout)     # 08's (None: a middle stage, or pp = 1)
         self.is_first, self.is_last = self.p == 0, self.p == pp - 1
 
 
@@ -207,9 +208,9 @@ def finalize_grads(stage, grid):
     slice of the sequence, 06), and a tied weight's two copies over the embedding group (Megatron's
     finalize_model_grads does both after its DP reduction: sums, so the order is free). 09 adds into main_grad."""
     tp_layers.allreduce_sequence_parallel_grads(stage.parameters(), group=grid.tp)    # reads p.main_grad
-    if stage.tied:                                                    # main_grad: a bucket's view, contiguous
+    if stage.tied:                 # on main_grad, before ZeRO shards it (08's allreduce_tied_grad reads .grad)
         tied = stage.tok_embeddings if stage.is_first else stage.output
-        dist.all_reduce(tied.weight.main_grad, group=grid.embedding)
+        dist.all_reduce(tied.weight.main_grad, group=grid.embedding)  # a bucket's view: contiguous
 
 
 def train_step(model, optimizer, comm, ids, targets, before_step=None):
@@ -251,8 +252,9 @@ def step_traffic(c, stage):
     add("tp", "reduce_scatter", t, (4 * per + first + last) * m, A)        # layers; embedding; the head's dx
     add("tp", "all_gather", t, last * m, 3 * c["micro"] * c["seq"] * max(c["e"], 4))   # the loss: 3 fp32 a token
     add("tp", "all_reduce", t, 1, (2 * h * per + (h if last else 0)) * c["eg"])      # the norms' gradients
-    add("pp", "send", pp, m * (2 - first - last), A // t)
-    add("pp", "recv", pp, m * (2 - first - last), A // t)
+    for payload in (A // t, 8 * (2 + pipeline.MAX_NDIM)):           # each message behind 08's header of 7 int64
+        add("pp", "send", pp, m * (2 - first - last), payload)
+        add("pp", "recv", pp, m * (2 - first - last), payload)
     add("embedding", "all_reduce", min(pp, 2), c["tied"] * (first or last), c["vocab"] // t * h * c["eg"])
     for numel in c["buckets"]:                        # ZeRO-3 gathers each bucket for every F and every B instead
         add("dp", "reduce_scatter", c["dp"], 1, numel * c["eg"])

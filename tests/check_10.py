@@ -104,8 +104,8 @@ def layout_is_right(grid, mine):
         assert [coords(r)[varies] for r in mine[kind]] == list(range(len(mine[kind]))), (kind, mine[kind])
         assert all(coords(r)[:varies] + coords(r)[varies + 1:] == coords(rank)[:varies] + coords(rank)[varies + 1:]
                    for r in mine[kind]), (kind, mine[kind])
-    ends = sorted({0, grid.pp_size - 1})
-    assert ("embedding" in mine) == (grid.p in ends), (grid.p, mine)
+    ends = sorted({0, grid.pp_size - 1})                          # (one stage: no embedding group, one copy)
+    assert ("embedding" in mine) == (grid.p in ends and grid.pp_size > 1), (grid.p, mine)
     if "embedding" in mine:
         assert [coords(r) for r in mine["embedding"]] == [(grid.d, p, grid.t) for p in ends], mine["embedding"]
 
