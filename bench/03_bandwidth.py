@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from common import finish, head, launched_world_size, log, refuse, ring_bytes, setup, sync  # noqa: E402
+from tests.tools import slowest  # noqa: E402
 
 # nccl-tests' doc/PERFORMANCE.md, written out: busbw = algbw times this factor, for W ranks
 NCCL_TESTS_FACTOR = {"all_reduce": lambda W: 2 * (W - 1) / W, "all_gather": lambda W: (W - 1) / W,
@@ -89,13 +90,6 @@ def bench_ops(rank, W, device):
     return {"all_reduce": ("all_reduce", all_reduce), "all_gather": ("all_gather", all_gather),
             "reduce_scatter": ("reduce_scatter", reduce_scatter), "all_to_all": ("all_to_all", all_to_all),
             "broadcast": ("broadcast", broadcast), "ring (03)": ("all_reduce", ring)}
-
-
-def slowest(seconds, device):
-    """The slowest rank's seconds: the max over the ranks."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def timed(call, device, rounds=None, budget=0.05):

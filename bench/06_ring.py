@@ -25,20 +25,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import finish, head, launched_world_size, log, refuse, setup, sync, time_overlap  # noqa: E402
-from tests.tools import lesson  # noqa: E402
+from tests.tools import lesson, slowest  # noqa: E402
 
 m = lesson("06_sequence_parallel.py")
-
-
-def slowest(seconds, device):
-    """The slowest rank's seconds (every rank of a step waits for it): the max over the ranks, checked against
-    every rank's own number."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, seconds)
-    assert t.item() == max(every) >= seconds > 0, (t.item(), every, seconds)   # not a sum, not this rank's
-    return t.item()
 
 
 class Posted:

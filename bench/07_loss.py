@@ -21,16 +21,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import finish, head, launched_world_size, log, refuse, setup, sync  # noqa: E402
-
-
-def slowest(seconds, device):
-    """The slowest rank's seconds: the max over the ranks (checked against every rank's own)."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, seconds)
-    assert t.item() == max(every) > 0, (t.item(), every)   # not a sum, not this rank's
-    return t.item()
+from tests.tools import slowest  # noqa: E402
 
 
 def main():

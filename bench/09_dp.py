@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from common import finish, head, log, refuse, setup, sync  # noqa: E402
-from tests.tools import held_bytes, lesson  # noqa: E402
+from tests.tools import held_bytes, lesson, slowest  # noqa: E402
 
 m = lesson("09_ddp_zero2.py")
 
@@ -80,17 +80,6 @@ class Torch:
         return (held_bytes([local(p) for p in self.module.parameters()]),
                 held_bytes([local(p.grad) for p in self.module.parameters() if p.grad is not None]),
                 held_bytes([local(t) for st in state for t in st.values() if torch.is_tensor(t) and t.dim()]))
-
-
-def slowest(seconds, device):
-    """The slowest rank's seconds (every rank of a step waits for it): the max over the ranks, checked against
-    every rank's own number."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, seconds)
-    assert t.item() == max(every) >= seconds > 0, (t.item(), every, seconds)  # not a sum, not this rank's
-    return t.item()
 
 
 def main():

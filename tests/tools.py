@@ -7,7 +7,7 @@
     kept_for_backward     fn()'s output and the bytes autograd saved for its backward
     replays(schedules)    whether posted P2P orders complete as blocking sends (or deadlock)
     strided_groups(s)     sub-groups whose group rank is not the global rank
-    clock_shift           the merge step of TRACE (tools/trace.py), for the check with unequal clock bases
+    slowest(seconds)      the slowest rank's seconds, for the benchmarks
 """
 import importlib
 import os
@@ -26,6 +26,17 @@ def lesson(filename: str):
     not run (only `python FILE` or torchrun runs main()). lesson("05_tp_layers.py") is 10's tp_layers, the same
     module, so a class from one is the class from the other."""
     return importlib.import_module(os.path.splitext(filename)[0])
+
+
+def slowest(seconds, device):
+    """The slowest rank's seconds (every rank of a step waits for it): the max over the ranks, checked against
+    every rank's own number (not a sum, not this rank's). For the benchmarks in bench/."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, seconds)
+    assert t.item() == max(every) >= seconds > 0, (t.item(), every, seconds)
+    return t.item()
 
 
 def strided_groups(stride: int = 2):
