@@ -687,12 +687,13 @@ def test_every_group_made_gets_pg_timeout(tmp_path):
         rank, world, device = setup()
         dist.barrier()
         dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))   # PG_TIMEOUT's default: accepted
+        dist.barrier()  # rank 0 hosts the store: it must not leave while rank 1 is still joining that group
         dist.new_group([0, 1]{})
     """
     for extra in ("", ", timeout=datetime.timedelta(seconds=31)"):
         run_ = launch(probe(tmp_path, code.format(extra)), 2, real_exit=False)
         assert all(c == 1 for c in run_.codes), run_.report()
-        assert all(re.search(r"dist.new_group at probe.py:8 was given timeout=.*, not PG_TIMEOUT's", e)
+        assert all(re.search(r"dist.new_group at probe.py:9 was given timeout=.*, not PG_TIMEOUT's", e)
                    for e in run_.errs), run_.report()
 
 
