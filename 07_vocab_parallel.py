@@ -32,7 +32,6 @@ Bytes each rank sends (N tokens, b bytes an activation element, ring algorithms)
   another loss. parallel_lm_logits makes them equal: check_slices=False. Sampling: (W-1) * B*V/W*b.
 
     torchrun --nproc-per-node=4 07_vocab_parallel.py       (beside PyTorch's loss_parallel: bench/07_loss.py)
-
 tests/check_07.py proves the rest: sub-groups, bf16/fp16, ignore_index, chunks, bytes held, refusals at their edges.
 """
 import torch
@@ -162,6 +161,8 @@ def gather_from_tensor_model_parallel_region(x, group=None):
 # ---- building blocks: the vocabulary-parallel embedding, LM head, loss and the sampler's gather -----------------
 def vocab_range(vocab_size: int, group=None):
     """Rows [start, end) of a vocabulary of `vocab_size` that this rank of `group` holds."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):  # nn.Embedding's 3rd argument: padding_idx
+        raise ValueError(f"group={group!r}; pass a ProcessGroup (dist.new_group) or None (the world)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if vocab_size % world:
         raise ValueError(f"vocab_size={vocab_size} is not divisible by the tensor-parallel size {world}")
@@ -302,8 +303,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, lse, held, local_target, valid = ctx.saved_tensors
-        eps = ctx.label_smoothing
+        (logits, lse, held, local_target, valid), eps = ctx.saved_tensors, ctx.label_smoothing
         # dloss/dz = (softmax - (1 - eps) * one_hot - eps / V) * grad_loss, on this rank's V/W columns only
         scale = torch.where(valid, grad_loss, 0.0).to(lse.dtype)     # where: 0 even for an inf grad (mean of none)
         hit = (-(1.0 - eps) * held.to(lse.dtype)).unsqueeze(-1)       # the one_hot's term, where t is held here
@@ -320,13 +320,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def _check_loss_args(logits, target, label_smoothing, reduction, ignore_index, group, check_slices):
-    """Arguments checked before any work, on every rank: first alone, then the slices (check_slices), then the
-    targets against V (the same on every rank once the slices are; target is the same on every rank)."""
+    """Checked before any work, on every rank: alone, then the slices (check_slices), then the targets against V."""
     if target.shape != logits.shape[:-1] or target.dtype != torch.int64:
         raise ValueError(f"target must hold int64 class indices of shape {tuple(logits.shape[:-1])} (the logits' "
                          f"shape without the vocab dimension); got {target.dtype} {tuple(target.shape)}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1]")
+    if label_smoothing is True or not isinstance(label_smoothing, (int, float)) or not 0 <= label_smoothing <= 1:
+        raise ValueError(f"label_smoothing={label_smoothing!r} must be a float in [0, 1]")
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"reduction={reduction!r}; use 'none', 'mean' or 'sum'")
     vocab = _check_slices(logits, group) if check_slices else logits.size(-1) * dist.get_world_size(group)
@@ -362,10 +361,14 @@ def vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0, group=None
     rows it takes at a time (None: all). "auto": 2**20 on the CPU, where a fresh large buffer costs more than
     the math; an eighth of the rows elsewhere, where each chunk costs kernel launches."""
     per_rank = logits.size(-1)
+    if not isinstance(ignore_index, int):  # checked alone on every rank before any work, as label_smoothing
+        raise ValueError(f"ignore_index={ignore_index!r}; pass an int, the target value to skip (-100 by default)")
+    if not (chunk_numel in ("auto", None) or isinstance(chunk_numel, int) and chunk_numel > 0) or chunk_numel is True:
+        raise ValueError(f"chunk_numel={chunk_numel!r}; pass 'auto', None (all rows at once) or an int >= 1")
     _check_loss_args(logits, target, label_smoothing, reduction, ignore_index, group, check_slices)
     if logits.dim() == 1:  # one token, unbatched, as F.cross_entropy takes it
-        return vocab_parallel_cross_entropy(logits.unsqueeze(0), target.unsqueeze(0), label_smoothing, group,
-                                            ignore_index, reduction, chunk_numel=chunk_numel, check_slices=False)[0]
+        return vocab_parallel_cross_entropy(logits[None], target[None], label_smoothing, group, ignore_index,
+                                            reduction, chunk_numel=chunk_numel, check_slices=False).squeeze(0)
     if chunk_numel == "auto":
         chunk_numel = 2 ** 20 if logits.device.type == "cpu" else -(-logits.numel() // (8 * per_rank)) * per_rank
     loss = _VocabParallelCrossEntropy.apply(logits, target, float(label_smoothing), ignore_index, group, chunk_numel)
@@ -397,8 +400,7 @@ class _MegatronVocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, held, local_target = ctx.saved_tensors
-        eps = ctx.label_smoothing
+        (softmax, held, local_target), eps = ctx.saved_tensors, ctx.label_smoothing
         grad = softmax - eps / ctx.vocab
         grad.scatter_add_(-1, local_target.unsqueeze(-1), (-(1.0 - eps) * held.to(grad.dtype)).unsqueeze(-1))
         return grad.mul_(grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None
@@ -431,8 +433,7 @@ def main():
         layer, dense.weight.grad = VocabParallelEmbedding.from_dense(dense, sequence_parallel=sp), None
         x, dy = (ids.t(), grad.transpose(0, 1)) if sp else (ids, grad)  # Megatron's [s, b]: transposed views
         mine = slice(rank * T // world, (rank + 1) * T // world) if sp else slice(None)  # this rank's rows of s
-        ref = dense(x)
-        ref.backward(dy)
+        (ref := dense(x)).backward(dy)
         with traffic() as fwd:
             out = layer(x)
         with traffic() as bwd:
@@ -472,8 +473,7 @@ def main():
     logits = parallel_lm_logits(torch.tanh(layer(ids) @ mix), layer.weight)  # (B, T, V/W): this rank's columns
     loss = vocab_parallel_cross_entropy(logits, target, ignore_index=-1, check_slices=False)  # equal by making
     loss.backward()
-    close(loss, dense_loss)                           # and the grads: the tied shard's (embedding + head), mix's
-    close((layer.weight.grad, mix.grad), (dense.weight.grad[lo:hi], dense_mix_grad))
+    close((loss, layer.weight.grad, mix.grad), (dense_loss, dense.weight.grad[lo:hi], dense_mix_grad))  # tied: both
     assert logits.nbytes * world == dense_logits.nbytes
     log(f"loss, the tied shard's grad (embedding + head) and the layer's grad == dense; the logits: {logits.nbytes} "
         f"B a rank, 1/{world} of {dense_logits.nbytes}")

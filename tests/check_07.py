@@ -179,13 +179,16 @@ def check_gather(group, device, dtype):
     lo, hi = m.vocab_range(V, group)
     z = (torch.randn(B, T, V, device=device) * 3).to(dtype)           # the same on every rank
     leaf = z[..., lo:hi].clone().requires_grad_()
+    view, seen = leaf.transpose(0, 1), []                             # (T, B, V/W)
+    view.register_hook(lambda g: seen.append(g.is_contiguous()))
     with traffic() as fwd:
-        full = m.gather_vocab_logits(leaf.transpose(0, 1), group)      # (T, B, V)
+        full = m.gather_vocab_logits(view, group)                      # (T, B, V)
     upstream = torch.randint(-4, 5, (T, B, V), device=device).to(dtype)  # exact in bf16
     with traffic() as bwd:
         (full * upstream).sum().backward()
     assert torch.equal(full, z.transpose(0, 1)) and full.dtype == dtype, "a copy: exact in any dtype"
     assert torch.equal(leaf.grad, upstream.transpose(0, 1)[..., lo:hi]) and bwd.calls == []
+    assert seen == [True], "the gather's backward handed upstream a non-contiguous slice of the grad"
     many = w > 1
     assert fwd.calls == [("all_gather", ranks_of(group), CHECK), ("all_gather", ranks_of(group), leaf.nbytes)] * many
     with traffic() as fwd:
@@ -311,6 +314,21 @@ def section_embedding(rank, world, device):
         assert refused(lambda: m.VocabParallelEmbedding.from_dense(nn.Embedding(V, D, device="meta", **option))) \
             == plain, option
     m.VocabParallelEmbedding.from_dense(nn.Embedding(V, D, device="meta"))  # the boundary: every option at default
+    fresh = m.VocabParallelEmbedding(V, D, device=device).weight       # N(0, 1), as nn.Embedding: V/W x D draws
+    assert fresh.shape == (V // world, D) and abs(fresh.mean()) < 0.2 and 0.85 < fresh.std() < 1.15, fresh.std()
+    said = "group=0; pass a ProcessGroup (dist.new_group) or None (the world)"  # nn.Embedding's padding_idx slot
+    assert refused(lambda: m.VocabParallelEmbedding(V, D, 0)) == said and refused(lambda: m.vocab_range(V, 0)) == said
+    # the reduce-scatter region batch-first (dim=1), against the dense sum: forward rank r's s/W columns, backward
+    # every rank's grad gathered along s
+    x = torch.randn(B, 2 * world, D, **f64).requires_grad_()
+    y = m.reduce_scatter_to_sequence_parallel_region(x * (rank + 1), dim=1)
+    upstream = torch.randn(B, 2 * world, D, **f64)                    # the same on every rank: the gather's result
+    y.backward(upstream[:, 2 * rank:2 * rank + 2])
+    torch.testing.assert_close(y, (x * (world * (world + 1) / 2))[:, 2 * rank:2 * rank + 2])
+    torch.testing.assert_close(x.grad, upstream * (rank + 1))
+    if world > 1:
+        said = refused(lambda: m.reduce_scatter_to_sequence_parallel_region(x[:, 1:], dim=1))
+        assert said == f"x.shape[1]={2 * world - 1} is not divisible by the group size {world}", said
     log("exact, SP too; refused in one line, nothing sent: V +- 1 rows, s = W+1 and 2W-1 (s = W passes), one id "
         "under SP ([s] passes), each of padding_idx, max_norm, scale_grad_by_freq, sparse")
 
@@ -383,6 +401,9 @@ def section_dtypes(rank, world, device):
     assert fwd.calls == [("all_gather", ranks_of(None), CHECK), ("all_gather", ranks_of(None), 3 * 8)] * (world > 1)
     torch.testing.assert_close(one, F.cross_entropy(z[0, 0], target[0, 0], reduction="none"))  # shape () too
     assert one.shape == () and same_on_every_rank(one)
+    for reduction in ("mean", "sum"):                                # unbatched, reduced: a scalar, as torch's
+        one = OURS(z[0, 0, slice(*m.vocab_range(V))], target[0, 0], reduction=reduction)
+        torch.testing.assert_close(one, F.cross_entropy(z[0, 0], target[0, 0], reduction=reduction))
     log("ignore_index -100 and 7 (inside [0, V)), -1 and V; reduction none, mean over the tokens not ignored, sum "
         "(at 8 ranks, bf16 and fp16: mean only); every token ignored: nan and grad 0, as F.cross_entropy; one token")
 
@@ -407,9 +428,12 @@ def section_refusals(rank, world, device):
     assert torch_refuses(label_smoothing=above) and not torch_refuses(label_smoothing=1.0)
     assert torch_refuses(target=torch.tensor([0, 2], dtype=torch.int32)) and torch_refuses(reduction="avg")
     for fn in (OURS, MEGATRON):
-        for option, said in ((dict(label_smoothing=above), f"label_smoothing={above} must lie in [0, 1]"),
-                             (dict(label_smoothing=below), f"label_smoothing={below} must lie in [0, 1]"),  # torch: 0
-                             (dict(label_smoothing=math.nan), "label_smoothing=nan must lie in [0, 1]"),
+        for option, said in ((dict(label_smoothing=above), f"label_smoothing={above} must be a float in [0, 1]"),
+                             (dict(label_smoothing=below), f"label_smoothing={below} must be a float in [0, 1]"),
+                             (dict(label_smoothing=math.nan), "label_smoothing=nan must be a float in [0, 1]"),
+                             (dict(label_smoothing=True), "label_smoothing=True must be a float in [0, 1]"),  # not 1
+                             (dict(label_smoothing=None), "label_smoothing=None must be a float in [0, 1]"),
+                             (dict(label_smoothing="0.1"), "label_smoothing='0.1' must be a float in [0, 1]"),
                              (dict(reduction="avg"), "reduction='avg'; use 'none', 'mean' or 'sum'"),
                              (dict(reduction="Mean"), "reduction='Mean'; use 'none', 'mean' or 'sum'"),
                              (dict(target=target.t()), f"{shape}; got torch.int64 {(T, B)}"),
@@ -426,6 +450,19 @@ def section_refusals(rank, world, device):
             loss = fn(leaf, target, label_smoothing=eps)
             loss.backward()
             torch.testing.assert_close((loss, leaf.grad), (ref, full.grad[..., slice(*m.vocab_range(V))]))
+    for option in ([dict(chunk_numel=c) for c in ("Auto", "", 2.5, 0, -1, True, False)] +
+                   [dict(ignore_index=i) for i in (None, -1.0, "-100")]):
+        name, value = next(iter(option.items()))
+        said = (f"{name}={value!r}; pass 'auto', None (all rows at once) or an int >= 1" if name == "chunk_numel" else
+                f"{name}={value!r}; pass an int, the target value to skip (-100 by default)")
+        assert refused(lambda: OURS(z, target, **option)) == said, (option, said)
+    full = whole.clone().requires_grad_()
+    ref = F.cross_entropy(full.view(N, V), target.view(N))
+    ref.backward()
+    for chunk in (1, None):                                          # the boundary: one element (so one row), all
+        leaf = z.clone().requires_grad_()
+        OURS(leaf, target, chunk_numel=chunk).backward()
+        torch.testing.assert_close(leaf.grad, full.grad[..., slice(*m.vocab_range(V))])
     first = divmod(int((torch.arange(N, device=device).view(B, T) % 5 == 2).view(-1).nonzero()[0]), T)  # (0, 2)
     bad_at = torch.arange(N, device=device).view(B, T) % 5 == 2
     for fn, bad, options, also in ((OURS, -1, {}, " or ignore_index=-100"), (OURS, V, {}, " or ignore_index=-100"),
@@ -436,8 +473,9 @@ def section_refusals(rank, world, device):
         wrong = target.masked_fill(bad_at, bad)
         assert refused(lambda: fn(z, wrong, check_slices=False, **options)) == said   # alone, no collective
         assert refused_everywhere(lambda: fn(z, wrong, **options)) == said        # after the slice check only
-    log(f"refused, nothing sent: label_smoothing {above!r}, {below!r}, nan (0.0 and 1.0 pass, as torch's; torch "
-        f"takes a negative as 0), reduction 'avg', 'Mean', a transposed, 3-d, float or int32 target")
+    log(f"refused, nothing sent: label_smoothing {above!r}, {below!r}, nan, True, None, '0.1' (0.0 and 1.0 pass, as "
+        f"torch's; torch takes a negative as 0), reduction 'avg', 'Mean', a transposed, 3-d, float or int32 target, "
+        f"chunk_numel 'Auto', '', 2.5, 0, -1, True, False (1 and None pass), ignore_index None, -1.0, '-100'")
     log(f"refused on every rank after the 16-B slice check (without it, before any message): {said}; targets -1 and "
         f"V (0 and V-1 pass), -100 under ignore_index=-1, V+1 under ignore_index=V")
 
@@ -458,6 +496,10 @@ def section_slices(rank, world, device):
                 f"tokens, V/W columns")
         for call in (lambda: OURS(z, target), lambda: MEGATRON(z, target), lambda: m.gather_vocab_logits(z)):
             assert refused_everywhere(call) == said, said
+    z = torch.randn(2, 3, 4, **f64)[:, :2 if last else 3]            # (2, 3, 4); the last rank (2, 2, 4): 4 tokens
+    said = (f"the ranks' logits differ: (tokens, vocabulary columns) by rank {[(6, 4)] * (world - 1) + [(4, 4)]}; "
+            f"each must hand in the same tokens, V/W columns")             # counted over every dim, not dim 0
+    assert refused_everywhere(lambda: OURS(z, torch.zeros(z.shape[:-1], dtype=torch.int64, device=device))) == said
     z = torch.randn(world, 4, 4, **f64)[rank, :, :3 if last else 4]   # rank-dependent, the RNG in step
     loss = OURS(z, torch.tensor([0, 3, 1, 3], device=device), check_slices=False)   # what the check prevents:
     assert not same_on_every_rank(loss), "unequal slices, unchecked: a different loss on each rank"
