@@ -435,17 +435,19 @@ def embedding_group(pipelines=None, timeout=None):
 
 
 def allreduce_tied_grad(weight, group):
-    """After the step's backward, before the optimizer step: weight.grad (this stage's copy's; None: zeros) summed
-    with the other copy's over the embedding group, in place (Megatron's _allreduce_word_embedding_grads; under
-    09's DDP, after sync_gradients()). A no-op where group is None. Sends V*h elements, all-reduced over 2 ranks."""
+    """After the step's backward, before the optimizer step: this stage's copy's gradient summed in place with the
+    other copy's over the embedding group (Megatron's _allreduce_word_embedding_grads), in weight.main_grad where a
+    data-parallel wrapper sums (Megatron's, 09's: before its sync_gradients()), else in weight.grad (None: zeros).
+    A no-op where group is None. Sends V*h elements, all-reduced over 2 ranks."""
     if group is None:
         return
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    flat = weight.grad.contiguous()                  # gloo sums a non-contiguous tensor wrongly
+    grad = getattr(weight, "main_grad", None)        # read once: a wrapper's main_grad may be a property
+    if grad is None:
+        grad = weight.grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    flat = grad.contiguous()                         # gloo sums a non-contiguous tensor wrongly
     dist.all_reduce(flat, group=group)
-    if flat is not weight.grad:
-        weight.grad.copy_(flat)
+    if flat is not grad:
+        grad.copy_(flat)
 
 
 # ---- demo: checks the blocks above against one process (needs common.py; the blocks need only torch) ----
@@ -580,19 +582,17 @@ def main():
         f"{[min(p - r, M) for r in range(p)]}; then none")
 
     head("a tied embedding across stages: embedding_group() and allreduce_tied_grad(), under ZB-H1")
-    vocab = 11
+    vocab, gen = 11, torch.Generator(device).manual_seed(2)
     embed = nn.Embedding(vocab, HIDDEN, dtype=torch.float64, device=device)
     lm_head = nn.Linear(HIDDEN, vocab, bias=False, dtype=torch.float64, device=device)
     lm_head.weight = embed.weight                    # tied, as GPT-2's: one Parameter, used twice
     blocks = nn.Sequential(*(TanhBlock(HIDDEN, torch.float64, device) for _ in range(2 * p)))
     mine = nn.Sequential(*[embed] * (s == 0), *stage_layers(blocks, p, s), *[lm_head] * (s == p - 1))
-    gen = torch.Generator(device).manual_seed(2)
     data = ([torch.randint(vocab, (ROWS,), device=device, generator=gen) for _ in range(M)] for _ in "it")
     group = embedding_group(timeout=pg_timeout())    # stages 0 and p-1 (None on a middle stage, or p = 1)
     step(nn.Sequential(embed, *blocks, lm_head), schedule_zb_h1, M, device, stages=mine, data=data,
          loss_fn=F.cross_entropy, tied=(embed.weight, group))
-    log(f"token ids in, cross-entropy out; the tied weight's copies on stages {sorted({0, p - 1})}, summed there: "
-        f"== one process")
+    log(f"ids in, cross-entropy out; the tied weight's copies on stages {sorted({0, p - 1})} summed: == one process")
     finish("P2P layer; 1F1B, GPipe, interleaved 1F1B, ZB-H1 == one process; their timelines; memory; tied")
 
 

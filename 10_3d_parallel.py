@@ -208,9 +208,9 @@ def finalize_grads(stage, grid):
     slice of the sequence, 06), and a tied weight's two copies over the embedding group (Megatron's
     finalize_model_grads does both after its DP reduction: sums, so the order is free). 09 adds into main_grad."""
     tp_layers.allreduce_sequence_parallel_grads(stage.parameters(), group=grid.tp)    # reads p.main_grad
-    if stage.tied:                 # on main_grad, before ZeRO shards it (08's allreduce_tied_grad reads .grad)
+    if stage.tied:                 # 08's: into main_grad, before ZeRO shards it
         tied = stage.tok_embeddings if stage.is_first else stage.output
-        dist.all_reduce(tied.weight.main_grad, group=grid.embedding)  # a bucket's view: contiguous
+        pipeline.allreduce_tied_grad(tied.weight, grid.embedding)
 
 
 def train_step(model, optimizer, comm, ids, targets, before_step=None):

@@ -583,8 +583,9 @@ def hooks_per_step(full, device, world):
 
 
 def ddp_on_stages(device, rank, world):
-    """09's DDP wrapping each stage of a pp x dp grid (pipelines of consecutive ranks, replicas across them): every
-    backward under no_sync(), then sync_gradients(); each stage's .grad == one process on the whole batch."""
+    """09's DDP wrapping each stage of a pp x dp grid (pipelines of consecutive ranks, replicas across them) of a
+    tied LM: every backward under no_sync(), allreduce_tied_grad on the wrapper's main_grad (p.grad is not there
+    yet), then sync_gradients(); each stage's .grad, the tied weight's on both ends, == one process."""
     ddp = lesson("09_ddp_zero2.py")
     pp = 2 if world % 2 == 0 else world
     dp = world // pp
@@ -592,30 +593,37 @@ def ddp_on_stages(device, rank, world):
     replicas = [list(range(s, world, pp)) for s in range(pp)]
     pp_groups = [dist.new_group(r, timeout=pg_timeout()) for r in pipes]    # every rank makes every group
     dp_groups = [dist.new_group(r, timeout=pg_timeout()) for r in replicas]
-    d, s, MB = rank // pp, rank % pp, 2           # MB micro-batches a pipeline
+    tied = m.embedding_group(pipes, timeout=pg_timeout())  # this pipeline's first and last stage (pp = 1: None)
+    d, s, MB, vocab = rank // pp, rank % pp, 2, 11    # MB micro-batches a pipeline
     gen = torch.Generator(device).manual_seed(7)
-    xs, ts = ([torch.randn(ROWS, HIDDEN, dtype=F64, device=device, generator=gen) for _ in range(dp * MB)]
-              for _ in "xt")
+    ids, tgt = ([torch.randint(vocab, (ROWS,), device=device, generator=gen) for _ in range(dp * MB)] for _ in "it")
     for fn in (m.schedule_1f1b, m.schedule_zb_h1):
         torch.manual_seed(7)
-        full = nn.Sequential(*(m.TanhBlock(HIDDEN, F64, device) for _ in range(2 * pp)))
-        ref = sum(F.mse_loss(full(x), t) for x, t in zip(xs, ts)) / (dp * MB)      # one process, the whole batch
+        embed = nn.Embedding(vocab, HIDDEN, dtype=F64, device=device)
+        lm_head = nn.Linear(HIDDEN, vocab, bias=False, dtype=F64, device=device)
+        lm_head.weight = embed.weight                 # tied: one Parameter, on stage 0 and stage pp - 1
+        blocks = nn.Sequential(*(m.TanhBlock(HIDDEN, F64, device) for _ in range(2 * pp)))
+        full = nn.Sequential(embed, *blocks, lm_head)
+        ref = sum(F.cross_entropy(full(i), t) for i, t in zip(ids, tgt)) / (dp * MB)   # one process, whole batch
         ref.backward()
         want = {id(q): q.grad.clone() for q in full.parameters()}
         full.zero_grad(set_to_none=True)
-        stage = m.stage_layers(full, pp, s)
+        stage = nn.Sequential(*[embed] * (s == 0), *m.stage_layers(blocks, pp, s), *[lm_head] * (s == pp - 1))
         model = ddp.DDP(stage, torch.optim.SGD(stage.parameters(), lr=0.1), group=dp_groups[s])
         comm = m.P2PCommunicator((ROWS, HIDDEN), F64, device, pp_groups[d])
         with model.no_sync():
-            loss = m.run_schedule(model, fn, comm, xs[d * MB:(d + 1) * MB], ts[d * MB:(d + 1) * MB], F.mse_loss)[0]
+            mine = slice(d * MB, (d + 1) * MB)
+            loss = m.run_schedule(model, fn, comm, ids[mine], tgt[mine], F.cross_entropy)[0]
+        m.allreduce_tied_grad(embed.weight, tied)     # into main_grad (p.grad: not there yet), before the sync
         model.sync_gradients()
         for q in stage.parameters():
             assert q.grad.is_contiguous() and torch.allclose(q.grad, want[id(q)], rtol=1e-9, atol=1e-15), NAME[fn]
         losses = torch.stack([loss if loss is not None else torch.zeros((), dtype=F64, device=device)])
         dist.all_reduce(losses)
         torch.testing.assert_close(losses[0] / dp, ref.detach(), rtol=1e-12, atol=0)
-    log(f"09's DDP on each stage of {dp} pipeline(s) x {pp} stages (no_sync, then sync_gradients()): 1F1B and ZB-H1")
-    log("== one process (ZB-H1's W reaches the buckets through autograd's hooks)")
+    log(f"09's DDP on each stage of {dp} pipeline(s) x {pp} stages of a tied LM (no_sync, allreduce_tied_grad on")
+    log("main_grad, then sync_gradients()): 1F1B and ZB-H1 == one process, the tied weight's too (ZB-H1's W reaches")
+    log("the buckets through autograd's hooks)")
 
 
 def tied_embedding(device, rank, world):
