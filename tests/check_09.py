@@ -2,14 +2,17 @@
 - nanoGPT's GPT (tied head) under train.py's loop (2 micro-batches, require_backward_grad_sync and no_sync, lr
   written into param_groups, torch's clip_grad_norm_ / model.clip_grad_norm_, zero_grad(set_to_none=True)) ==
   torch's DistributedDataParallel and one process; the first micro-batch sends nothing;
-- buckets: boundaries == the prefix-sum rule at many caps, padding, views, rank 0's values broadcast;
+- buckets: boundaries == the prefix-sum rule at many caps (bf16: 4-B fp32 gradients), padding, views, rank 0's
+  values broadcast;
 - four ways to run a step (1 micro-batch; no_sync; a pipeline's forwards first, then autograd.backward under
   no_sync and sync_gradients(); every micro-batch reducing) == one process, on the world and on strided
   sub-groups, with AdamW groups and SGD; every collective counted against the closed forms, each synced backward
   starting each bucket's reduction once; overlap: a reduction runs before backward's last gradient, and not
   with overlap=False (bit-equal);
 - bytes held == the closed forms; a step keeps 0 B; ZeRO's full-size gradients two adjacent buckets at most;
-  ZeRO-3's gathered parameters at most the running modules' buckets;
+  ZeRO-3's gathered parameters at most the running modules' buckets, 0 B before the first forward, a module run
+  twice or skipped freed, a layer run alone gathered again by its backward, a zero-size saved tensor not
+  mistaken for a freed bucket;
 - bf16: fp32 masters and gradients, gathers in bf16, within 2^-6 of one process; gathered() writes reach the
   master; resume from optimizer.state_dict() bit-equal (the masters ride in it);
 - Megatron's main_grad handshake (fused, tied zero_out_wgrad) with no_sync and with every micro-batch reducing;
@@ -198,6 +201,7 @@ def buckets(rank, W, device):
     params = [p for b in model.buckets for p in b.params]
     sizes = [p.numel() * 8 for p in params]
     prefix = list(itertools.accumulate(sizes))
+    low = [nn.Parameter(torch.zeros(p.shape, dtype=BF16, device=device)) for p in params]
     for n in (1, 19, 70, 82, 83, 84, 100, 10 ** 6):
         ends, done = [], 0
         while done < len(sizes):
@@ -205,12 +209,14 @@ def buckets(rank, W, device):
             ends.append(done)
         got = m.bucket_runs(params, [params], 8 * n)
         assert list(itertools.accumulate(len(run) for _, run in got)) == ends, (n, ends)
+        got = m.bucket_runs(low, [low], 4 * n)  # bf16 parameters: their fp32 gradients count, 4 B each
+        assert list(itertools.accumulate(len(run) for _, run in got)) == ends, (n, ends, "bf16")
     first = lambda n: [names[id(p)] for p in m.bucket_runs(params, [params], 8 * n)[0][1]]
     assert first(83) == ["head.bias", "l2.bias", "l2.weight"] and first(84)[-1] == "l1.bias"
     bf = m.bucket_runs([nn.Parameter(torch.zeros(10, dtype=BF16))] * 1, [[]], 1)
     assert bf == []
-    log("boundaries == the prefix-sum rule at caps of 1, 19, 70, 82, 83, 84, 100, 1e6 gradients; padding < W; "
-        "views; every rank holds group rank 0's values")
+    log("boundaries == the prefix-sum rule at caps of 1, 19, 70, 82, 83, 84, 100, 1e6 gradients (bf16: fp32 ones); "
+        "padding < W; views; every rank holds group rank 0's values")
 
 
 # ---- 3. four ways to run a step, counted ------------------------------------------------------------------------
@@ -959,6 +965,67 @@ def probes_31(rank, W, device):
         "out-of-order buckets all in flight at backward's end; bf16 p.grad refused; ZeRO-3 frees after a partial step")
 
 
+# ---- 13. ZeRO-3's frees: a layer run alone or twice, a module skipped, a saved tensor of no storage ---------
+class Reuse(nn.Module):
+    """a runs twice (shared weights, as ALBERT's); c shares b's bucket and runs only when asked (a skipped layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x, skip):
+        h = self.b(self.a(self.a(x)))
+        return h if skip else self.c(h)
+
+
+class EmptySaved(m.TiedLM):
+    """TiedLM whose forward ends by saving a zero-size tensor for backward (no storage: data_ptr 0, as a freed
+    bucket's flat)."""
+
+    def forward(self, ids):
+        out = super().forward(ids)
+        return out + (out[:0] * torch.zeros(0, VOCAB, dtype=out.dtype, device=out.device)).sum()
+
+
+def zero3_frees(rank, W, device):
+    head("13. ZeRO-3 frees: a layer run alone or twice, a skipped user, a saved tensor of no storage")
+    torch.manual_seed(5)
+    net = Reuse().to(device, F64)
+    ref, (model, optimizer) = copy.deepcopy(net), wrap(ZeRO3, net, sgd, cap=mb(24))  # buckets [c, b] and [a]
+    padded = lambda n: -(-n // W) * W * 8
+    assert [b.numel * 8 for b in model.buckets] == [padded(24), padded(12)]
+    assert held_bytes(b.flat for b in model.buckets) == 0  # freed from the start, before any forward
+    x = torch.linspace(-1, 1, 6, dtype=F64, device=device).view(2, 3)
+    xs = [x.clone().requires_grad_() for _ in range(2)]  # a run alone (as a pipeline's W runs a layer): backward
+    for layer, xi in ((model.module.a, xs[0]), (ref.a, xs[1])):  # reads its weight, gathered again
+        layer(xi).pow(2).sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-12, atol=0)
+    assert held_bytes(b.flat for b in model.buckets) == 0
+    optimizer.zero_grad(set_to_none=True)
+    seen = []
+    model.module.b.register_forward_pre_hook(lambda *_: seen.append(held_bytes(b.flat for b in model.buckets)))
+    for skip in (True, False):
+        out = model(x, skip)
+        assert seen[-1] == padded(24), seen  # a's bucket freed after its second run: only b's (and c's) gathered
+        assert held_bytes(b.flat for b in model.buckets) == 0, skip  # b's bucket freed too when c was skipped
+        out.sum().backward()
+        if skip:  # c got no gradient: [c, b] stays gathered until the step, a's is freed: the raw read is refused
+            assert held_bytes(b.flat for b in model.buckets) == padded(24)
+            one_line(lambda: model.module.state_dict(), RuntimeError, "the wrapped module's own state_dict()")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model, optimizer = wrap(ZeRO3, EmptySaved().to(device, F64))  # AdamW's groups: the biases' bucket first
+    out = model(rank_batch(0, rank, device)[0])
+    with traffic() as t:
+        out.logsumexp(-1).sum().backward()
+    read = sum(any(p.dim() > 1 for p in b.params) for b in model.buckets)
+    assert t.counts["all_gather"] == read == len(model.buckets) - 1, (t.calls, read)  # not the biases' bucket
+    log("0 B before the first forward; a layer run alone is gathered again by its backward (== one process)")
+    log("a module run twice: freed after each run; a bucket whose other module is skipped: freed when forward ends")
+    log("gathered by a backward that left c without gradient: kept to the step, the raw state_dict refused meanwhile")
+    log("backward gathers only the buckets it reads (not the biases'), though forward saved a tensor of no storage")
+
+
 def main():
     rank, W, device = setup()
     if os.environ.get("CKPT_PHASE"):  # CKPT=DIR CKPT_PHASE=save, then (new processes) CKPT_PHASE=load
@@ -969,7 +1036,8 @@ def main():
     few = W <= 2
     sections = [(nanogpt_loop, few), (buckets, True), (exact_and_counted, True), (overlap, few),
                 (bytes_held, few or W == 3), (bf16, few or W == 3), (handshake, few), (zero3_states, few or W == 4),
-                (states, few), (refusals, few or W == 4), (checkpoints, few), (probes_31, few)]  # (the suite: checkpoints at 4)
+                (states, few), (refusals, few or W == 4), (checkpoints, few), (probes_31, few),
+                (zero3_frees, True)]  # (the suite: checkpoints at 4)
     for section, runs in sections:
         if runs:
             section(rank, W, device)
