@@ -125,6 +125,8 @@ def grids(world):
     dp, pp, tp = ten.default_grid(world)
     said = refused(lambda: ten.Grid(dp + 1, pp, tp))             # refused before any group is made
     assert said == f"grid dp={dp + 1} x pp={pp} x tp={tp} = {(dp + 1) * pp * tp} ranks, but the world has {world}"
+    if world > 1:                                                # too few ranks, as too many
+        assert refused(lambda: ten.Grid(1, 1, 1)) == f"grid dp=1 x pp=1 x tp=1 = 1 ranks, but the world has {world}"
     fake = types.SimpleNamespace(tp=None, pp_size=2)             # the split is checked before anything is built
     for layers in (ten.LAYERS + 1, 1):
         llama = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, ten.KV_HEADS, ten.FFN, layers)
@@ -136,7 +138,8 @@ def grids(world):
     assert choose_grid(world, f"{world}x1x1") == ((world, 1, 1), None) and choose_grid(world, "") == (None, None)
     log(f"{len(made)} grids ({' '.join('x'.join(map(str, g)) for g in made)}): each rank in one group of each kind, "
         f"varying one coordinate, the embedding group first + last stage (none in the middle); refused: a grid of "
-        f"{world + world // dp} ranks, {ten.LAYERS + 1} and 1 layers over 2 stages, 6 bad GRIDs")
+        f"{world + world // dp} ranks{' and of 1' if world > 1 else ''}, {ten.LAYERS + 1} and 1 layers over 2 "
+        f"stages, 6 bad GRIDs")
 
 
 def calculator_boundaries():
@@ -363,6 +366,30 @@ def train_on(shape, zero, tied, dtype, device):
         + f"; bytes held == step_memory" + (f" (activations: {k} x {kept[0]} on rank 0)" if kept else ""))
 
 
+# ---- GQA with fewer K/V heads than TP ranks: 05's replicated heads inside 10's stage ------------------------------
+def replicated_kv(world, device):
+    """tp = W > H_kv = W/2: each K/V head on 2 ranks (05's replication), the rest as the toy; one forward and
+    backward of one stage (untied, pp = dp = 1) == the one-process Llama: the loss, every gradient's slice."""
+    tp, kv = world, world // 2
+    head(f"tp {tp} > {kv} K/V heads: each K/V head replicated on {tp // kv} ranks, against one process, float64")
+    grid = types.SimpleNamespace(tp=None, pp_size=1, p=0, is_first=True, is_last=True)   # one stage, tp = W
+    torch.manual_seed(1)
+    llama = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, kv, ten.FFN, 2, False, F64).to(device)
+    stage = ten.LlamaStage(llama, grid)
+    ids, targets = ten.batch(0, 1, device)
+    ref = F.cross_entropy(llama(ids).flatten(0, 1), targets.flatten())
+    ref.backward()
+    loss = ten.vocab_par.vocab_parallel_cross_entropy(stage(ids), targets.t(), group=grid.tp, check_slices=False)
+    loss.backward()
+    ten.finalize_grads(stage, grid)                               # the norms' gradients summed over TP
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=0)
+    want = slices(llama, grid, [p.grad for p in llama.parameters()])
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-13, msg=lambda s: f"grad {name}: {s}")
+    log(f"loss and every gradient slice == one process ({kv} K/V heads on {tp} ranks: each head's gradient summed "
+        f"over its {tp // kv} replicas)")
+
+
 def main():
     extra, why = choose_grid(launched_world_size(), os.environ.get("GRID", ""))
     if why:                                                       # before any work: one line on every rank
@@ -375,6 +402,8 @@ def main():
         calculator_boundaries()
         if world in (3, 4):                                       # dp 3 (odd), tp 2 x dp 2: the joint's two shapes
             compose(world, device)
+        if world % 2 == 0:                                        # tp = W > W/2 K/V heads: replicated
+            replicated_kv(world, device)
     for shape, zero, tied, dtype in runs:
         train_on(shape, zero, tied, dtype, device)
     finish(f"{len(runs)} more grids == one process (gradients, losses, parameters), traffic and bytes held == the "
