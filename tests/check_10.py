@@ -12,6 +12,8 @@
   forms (a middle stage joins no tied-weight all-reduce); in bf16 (fp32 gradients and master) with e = 2,
   eg = 4, ep = 2; the bytes each rank holds == step_memory: parameters, gradients (the stage's summed over the
   micro-batches, then the reduced shard), AdamW's state and fp32 masters, activations min(pp - p, m) x one.
+- fewer K/V heads than TP ranks (tp = W, W/2 K/V heads, each on 2 ranks: 05's replication): one stage's loss
+  and every gradient slice == one process, at 2, 4 and 8 ranks.
 The joint runs at 3 and 4 ranks (dp 3; tp 2 x dp 2), the rest at every world size. GRID=dpxppxtp trains that grid
 alone (float64, ZeRO-2, tied; refused in one line if it does not fit).
 """
