@@ -80,13 +80,13 @@ def setup(seed: int = 0):
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if os.environ.get("TRACE", "").strip():  # by path (tests/tools.py shadows it); before init: no rank left joining
+    dist.init_process_group(backend, timeout=_timeout, device_id=device if backend == "nccl" else None)
+    torch.manual_seed(seed)
+    if os.environ.get("TRACE", "").strip():  # tools/trace.py, by its path: in tests/, `tools` is tests/tools.py
         spec = importlib.util.spec_from_file_location("_trace", os.path.join(_HERE, "tools", "trace.py"))
         _trace = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(_trace)
         _trace.start(_trace.directory(refuse), device, os.path.splitext(_script())[0])
-    dist.init_process_group(backend, timeout=_timeout, device_id=device if backend == "nccl" else None)
-    torch.manual_seed(seed)
     return dist.get_rank(), dist.get_world_size(), device
 
 
