@@ -16,7 +16,7 @@ GQA: rank r holds n_head/p query heads and the K/V heads they read, n_kv_head/p;
 head sits on the p/n_kv_head ranks that read it (replicated), its gradient summed over them.
 
 Sequence parallelism (sequence_parallel=True; Korthikanti et al. 2022): between blocks each rank keeps only its
-part of the sequence (s: dim 0 of Megatron's [s, b, h]); g becomes a reduce-scatter, f an all-gather (as in 06):
+part of s (dim 0 of Megatron's [s, b, h], or sequence_dim=1 of [b, s, h]); g becomes a reduce-scatter, f an all-gather:
     rank 0:  X_0 --+                      +--> X A_0 .. Z_0 B_0 --+                          +--> Y_0 (+ b)
                    all-gather along s                             reduce-scatter along s
     rank 1:  X_1 --+                      +--> X A_1 .. Z_1 B_1 --+                          +--> Y_1 (+ b)
@@ -29,7 +29,7 @@ backward, an all-reduce of their weight and bias grads: 2 (p-1)/p * 2 n_kv_head 
 dW lands in W.grad, for any torch optimizer. TP groups sit inside a node, in a data-parallel grid (tp_dp_groups).
 
     torchrun --nproc-per-node=4 05_tp_layers.py
-tests/check_05.py proves the rest: options, sub-groups, TP x DP, bf16, bytes, main_grad, GQA counts, refusals.
+tests/check_05.py proves the rest: SwiGLU, options, sub-groups, TP x DP, bf16, bytes, main_grad, GQA counts, refusals.
 """
 import torch
 import torch.distributed as dist
@@ -200,10 +200,11 @@ def gather_from_tensor_model_parallel_region(x, group=None):
 
 # Megatron SP's linear layer (the same text as 06's): ColumnParallelLinear(sequence_parallel=True) runs it
 class LinearWithSequenceParallel(torch.autograd.Function):
-    """forward: all-gather x along the sequence (dim 0), then x @ W.T + b; backward: grad_x = grad @ W,
-    reduce-scattered async while dW is computed (Megatron's LinearWithGradAccumulationAndAsyncCommunication).
+    """forward: all-gather x along the sequence, then x @ W.T + b; backward: grad_x = grad @ W, reduce-scattered
+    async while dW is computed (Megatron's LinearWithGradAccumulationAndAsyncCommunication).
 
         x: [s/tp, b, h] this rank's slice     W: [f/tp, h] this rank's rows     out: [s, b, f/tp]
+    sequence_dim=1 (torch's SequenceParallel(sequence_dim=1)): x [b, s/tp, h], out [b, s, f/tp] ([s, b, ..] memory).
     Only the [s/tp, b, h] slice is kept for backward, which all-gathers it again (overlapping grad @ W).
     dW arrives in W.grad, as for nn.Linear, in any model and with any torch optimizer. Megatron's fusion happens
     only where a data-parallel wrapper asks for it, by giving W a `main_grad` (its view of a bucket, fp32 or
@@ -214,17 +215,20 @@ class LinearWithSequenceParallel(torch.autograd.Function):
     the other op's dW to it, and the wrapper adds W.grad into main_grad (Megatron's rule).
     """
     @staticmethod
-    def forward(ctx, x, weight, bias=None, group=None, gradient_accumulation_fusion=True):
-        # the Parameter itself rides on ctx: main_grad and the flag live on it, and a saved tensor can come back
-        # as another Python object (saved-tensor hooks)
+    def forward(ctx, x, weight, bias=None, group=None, gradient_accumulation_fusion=True, sequence_dim=0):
+        if type(sequence_dim) is not int or not 0 <= sequence_dim < x.dim() - 1:
+            raise ValueError(f"sequence_dim={sequence_dim!r} is not a dim of x {tuple(x.shape)} before its features")
+        # ctx holds the Parameter itself: main_grad and its flag live on it (saved-tensor hooks may hand back another)
         ctx.group, ctx.param, ctx.fusion, ctx.has_bias = group, weight, gradient_accumulation_fusion, bias is not None
+        ctx.dim, x = sequence_dim, x.movedim(sequence_dim, 0).contiguous()        # [s/tp, b, h]
         ctx.save_for_backward(x, weight)
-        return F.linear(_gather_along_dim(x, 0, group), weight, bias)              # [s, b, h] @ [h, f/tp]
+        return F.linear(_gather_along_dim(x, 0, group), weight, bias).movedim(0, sequence_dim)  # [s, b, h] @ [h, f/tp]
 
     @staticmethod
     def backward(ctx, grad):                                                       # grad: [s, b, f/tp]
         x, weight = ctx.saved_tensors
         total, gathering = _gather_along_dim(x, 0, ctx.group, async_op=True)       # [s, b, h], in flight
+        grad = grad.movedim(ctx.dim, 0).contiguous()                               # [s, b, f/tp]
         grad_input = grad.matmul(weight)                                           # [s, b, h], partial over ranks
         _wait(gathering)
         grad_x, scattering = _reduce_scatter_along_dim(grad_input, 0, ctx.group, async_op=True)  # [s/tp, b, h]
@@ -239,7 +243,7 @@ class LinearWithSequenceParallel(torch.autograd.Function):
             grad_weight = grad.t().matmul(total)                 # [f/tp, h], contiguous: autograd's layout
         grad_bias = grad.sum(0) if ctx.has_bias else None
         _wait(scattering)
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x.movedim(0, ctx.dim), grad_weight, grad_bias, None, None, None
 
 
 # layers: this rank's shard of a dense nn.Linear; dW lands in weight.grad, as nn.Linear's does
@@ -290,9 +294,11 @@ class _ParallelLinear(nn.Module):
     """What both layers share: this rank's shard of an nn.Linear weight [out, in], split along weight_dim."""
     weight_dim, fused = 0, None
 
-    def __init__(self, in_features, out_features, bias, group, device, dtype, sequence_parallel):
+    def __init__(self, in_features, out_features, bias, group, device, dtype, sequence_parallel, sequence_dim):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        if type(sequence_dim) is not int or sequence_dim not in (0, 1):    # torch's SequenceParallel(sequence_dim=1)
+            raise ValueError(f"sequence_dim={sequence_dim!r} is not 0 (Megatron's [s, b, h]) or 1 ([b, s, h])")
+        self.group, self.sequence_parallel, self.sequence_dim = group, sequence_parallel, sequence_dim
         shape = [out_features, in_features]
         shape[self.weight_dim] = _divide(("out", "in")[self.weight_dim] + "_features", shape[self.weight_dim], group)
         bound = in_features ** -0.5     # nn.Linear's (ranks seeded alike draw equal shards: use from_dense); biases 0
@@ -327,26 +333,25 @@ class ColumnParallelLinear(_ParallelLinear):
         X [.., in] (every rank) --f--> Y_r [.., out/p] --(gather_output: all-gather)--> Y [.., out]
         sequence_parallel:  X_r [s/p, b, in] --all-gather along s--> X [s, b, in] --> Y_r [s, b, out/p]
     nn.Linear stores A^T as weight [out, in]: rank r keeps rows r of it, and b_r (fused: fused_shard's rows). SP runs
-    LinearWithSequenceParallel (X_r kept, gathered again in backward); every X_r must have one shape, checked each
-    call (check_slices). gradient_accumulation_fusion=False declines a wrapper's request for dW in W.main_grad.
+    LinearWithSequenceParallel along sequence_dim (X_r kept, gathered again in backward); every X_r must have one
+    shape, checked each call (check_slices). gradient_accumulation_fusion=False declines dW in a wrapper's main_grad.
     """
-    def __init__(self, in_features, out_features, bias=True, gather_output=False, group=None, device=None,
-                 dtype=None, sequence_parallel=False, gradient_accumulation_fusion=True, check_slices=True):
-        super().__init__(in_features, out_features, bias, group, device, dtype, sequence_parallel)
+    def __init__(self, in_features, out_features, bias=True, gather_output=False, group=None, device=None, dtype=None,
+                 sequence_parallel=False, gradient_accumulation_fusion=True, check_slices=True, sequence_dim=0):
+        super().__init__(in_features, out_features, bias, group, device, dtype, sequence_parallel, sequence_dim)
         self.gather_output, self.gradient_accumulation_fusion = gather_output, gradient_accumulation_fusion
         self.check_slices = check_slices
 
     def _check_equal_slices(self, x):
         """Unequal slices abort gloo's all-gather, hang NCCL's: all-gather 8 int64 (dim, numel, 6 sizes), compare."""
-        if not self.check_slices or dist.get_world_size(self.group) == 1:
-            return
-        sizes = list(x.shape[:6])
-        header = torch.tensor([x.dim(), x.numel(), *sizes, *[0] * (6 - len(sizes))], device=x.device)
+        if not self.check_slices or dist.get_world_size(self.group) == 1 or self.sequence_dim >= x.dim() - 1:
+            return                                  # (a bad sequence_dim: LinearWithSequenceParallel refuses it)
+        header = torch.tensor([x.dim(), x.numel(), *x.shape[:6], *[0] * (6 - min(x.dim(), 6))], device=x.device)
         every = _gather_along_dim(header.unsqueeze(0), 0, self.group)             # [p, 8]
         if not bool((every == header).all()):
             shapes = [row[2:2 + min(row[0], 6)] for row in every.tolist()]
             raise ValueError(f"sequence-parallel slices differ across the group: shapes {shapes}; every "
-                             f"rank must hand in [s/p, b, in] of one shape (scatter_to_sequence_parallel_region)")
+                             f"rank must hand in its slice of s of one shape (scatter_to_sequence_parallel_region)")
 
     def forward(self, x):                       # x: [.., in] the same on every rank, or with SP [s/p, b, in]
         weight, bias = self.weight, self.bias
@@ -354,7 +359,8 @@ class ColumnParallelLinear(_ParallelLinear):
             weight, bias = _SumReplicatedGrads.apply(self.fused, self.group, weight, bias)
         if self.sequence_parallel:
             self._check_equal_slices(x)
-            y = LinearWithSequenceParallel.apply(x, weight, bias, self.group, self.gradient_accumulation_fusion)
+            y = LinearWithSequenceParallel.apply(x, weight, bias, self.group, self.gradient_accumulation_fusion,
+                                                 self.sequence_dim)
         else:
             y = F.linear(copy_to_tensor_model_parallel_region(x, self.group), weight, bias)
         return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
@@ -364,15 +370,15 @@ class RowParallelLinear(_ParallelLinear):
     """Y = X A + b with A = [A_0; A_1; ..] split by rows (input features): rank r makes a partial sum X_r A_r.
 
         X_r [.., in/p] --> X_r A_r [.., out] --g--> sum_r X_r A_r + b = Y [.., out] (every rank)
-        sequence_parallel:  X_r A_r [s, b, out] --reduce-scatter along s--> Y_r [s/p, b, out], + b
+        sequence_parallel:  X_r A_r [s, b, out] --reduce-scatter along s--> Y_r [s/p, b, out], + b  (or [b, s, ..])
     nn.Linear stores A^T as weight [out, in]: rank r keeps columns r of it. The bias is whole on every rank, added
     once, after the reduction; under SP to this rank's part of s: marked `sequence_parallel`, its partial grad is
     summed by allreduce_sequence_parallel_grads."""
     weight_dim = 1
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True, group=None,
-                 device=None, dtype=None, sequence_parallel=False):
-        super().__init__(in_features, out_features, bias, group, device, dtype, sequence_parallel)
+                 device=None, dtype=None, sequence_parallel=False, sequence_dim=0):
+        super().__init__(in_features, out_features, bias, group, device, dtype, sequence_parallel, sequence_dim)
         self.input_is_parallel = input_is_parallel
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel
@@ -380,11 +386,14 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x):
         if not self.input_is_parallel:                          # x: [.., in] -> this rank's [.., in/p]
             x = scatter_to_tensor_model_parallel_region(x, self.group)
-        y = F.linear(x, self.weight)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        if self.sequence_parallel:                  # X_r A_r in [s, .., out] memory: reduce-scattered without a copy
+            dim = self.sequence_dim
+            if dim >= x.dim() - 1:                  # (as LinearWithSequenceParallel refuses it)
+                raise ValueError(f"sequence_dim={dim!r} is not a dim of x {tuple(x.shape)} before its features")
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x.movedim(dim, 0), self.weight), self.group)
+            y = y.movedim(0, dim)
         else:
-            y = reduce_from_tensor_model_parallel_region(y, self.group)
+            y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -412,13 +421,13 @@ class _GatedActivation(nn.Sequential):
         return self[0](gate) * up
 
 
-def parallel_mlp(mlp, group=None, sequence_parallel=False, gated=False) -> nn.Sequential:
+def parallel_mlp(mlp, group=None, sequence_parallel=False, gated=False, sequence_dim=0) -> nn.Sequential:
     """The parallel MLP holding this rank's shards of mlp = (fc1, act, fc2), an nn.Sequential or nanoGPT's
     (c_fc, gelu, c_proj): fc1 column-parallel, act on this rank's features, fc2 row-parallel. gated (SwiGLU):
     fc1's rows are [gate; up] (fused_shard gives rank r gate_r and the up_r it multiplies), y = fc2(act(gate) * up).
         x [s, b, h] --fc1--> [s, b, ffn/p] --act--> [s, b, ffn/p] --fc2--> [s, b, h]   (SP: x, y [s/p, b, h])"""
     fc1, act, fc2 = mlp
-    options = dict(group=group, sequence_parallel=sequence_parallel)
+    options = dict(group=group, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
     down = RowParallelLinear.from_dense(fc2, **options)
     up = ColumnParallelLinear.from_dense(fc1, fused=(fc2.in_features,) * 2 if gated else None, **options)
     return nn.Sequential(up, _GatedActivation(act) if gated else act, down)
@@ -429,33 +438,33 @@ class ParallelSelfAttention(nn.Module):
     they read (GQA: H_kv heads, each read by H/H_kv query heads; where p > H_kv, one, replicated).
         x --f--> [q_r; k_r; v_r] (qkv, column) --> SDPA on own heads --> [s, b, H/p d] --> proj (row) --g--> y
         sequence_parallel: x and y are this rank's part of s; qkv all-gathers the sequence, proj reduce-scatters it
-    Layout: batch_first=False: [s, b, h] in and out (Megatron's; SP [s/p, b, h]); True: [b, s, h] (nanoGPT's; SP
-    [b, s/p, h]). Equal to SDPA(q, k, v, is_causal=True, enable_gqa=True) of the dense projections."""
-    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, n_head, n_kv_head=None, batch_first=False):
+    Layout: its layers' sequence_dim, 0: [s, b, h] in and out (Megatron's; SP [s/p, b, h]); 1: [b, s, h] (nanoGPT's;
+    SP [b, s/p, h]), no transpose. Equal to SDPA(q, k, v, is_causal=True, enable_gqa=True) of the dense projections."""
+    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, n_head, n_kv_head=None):
         super().__init__()
         if n_head % (n_kv_head or n_head):
             raise ValueError(f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}")
+        if proj.sequence_dim != qkv.sequence_dim:
+            raise ValueError(f"qkv's sequence_dim={qkv.sequence_dim!r} and proj's={proj.sequence_dim!r} differ")
         heads, kv = _divide("n_head", n_head, qkv.group), _heads_of("n_kv_head", n_kv_head or n_head, qkv.group)[1]
-        self.qkv, self.proj, self.batch_first, d = qkv, proj, batch_first, qkv.weight.shape[0] // (heads + 2 * kv)
+        self.qkv, self.proj, d = qkv, proj, qkv.weight.shape[0] // (heads + 2 * kv)
         self.head_dim, self.split = d, [heads * d, kv * d, kv * d]
 
     @classmethod
-    def from_dense(cls, attn, group=None, sequence_parallel=False, batch_first=True):
+    def from_dense(cls, attn, group=None, sequence_parallel=False, sequence_dim=1):
         """attn: nanoGPT-style, c_attn (rows [q; k; v]), c_proj, n_head, n_kv_head (GQA; default n_head), dropout 0."""
         if getattr(attn, "dropout", 0):
             raise ValueError(f"from_dense takes attention without dropout (dropout={attn.dropout})")
         n_head, n_kv_head = attn.n_head, getattr(attn, "n_kv_head", attn.n_head)
-        options = dict(group=group, sequence_parallel=sequence_parallel)
+        options = dict(group=group, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
         qkv = ColumnParallelLinear.from_dense(attn.c_attn, fused=(n_head, n_kv_head, n_kv_head), **options)
-        return cls(qkv, RowParallelLinear.from_dense(attn.c_proj, **options), n_head, n_kv_head, batch_first)
+        return cls(qkv, RowParallelLinear.from_dense(attn.c_proj, **options), n_head, n_kv_head)
 
-    def forward(self, x):                                   # [s, b, h] (batch_first: [b, s, h]); SP: s/p of s
-        x = x.transpose(0, 1) if self.batch_first else x    # [s, b, h], a view
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).permute(1, 2, 0, 3)     # [b, heads, s, d] each
-                   for t in self.qkv(x).split(self.split, -1))                   # qkv: the whole s, own heads
+    def forward(self, x):                                   # [s, b, h] (sequence_dim 1: [b, s, h]); SP: s/p of s
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).permute(1, 2, 0, 3)                 # [b, heads, s, d] each
+                   for t in self.qkv(x).movedim(self.qkv.sequence_dim, 0).split(self.split, -1))   # [s, b, own ..]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)   # [b, H/p, s, d]
-        y = self.proj(o.permute(2, 0, 1, 3).flatten(2))                              # [s, b, h]
-        return y.transpose(0, 1) if self.batch_first else y
+        return self.proj(o.permute(2, 0, 1, 3).flatten(2).movedim(0, self.qkv.sequence_dim))   # [s, b, h] memory
 
 
 def tp_dp_groups(tp: int, timeout=None):
@@ -472,11 +481,6 @@ def tp_dp_groups(tp: int, timeout=None):
 HIDDEN, HEADS, KV_HEADS, FFN, BATCH, SEQ = 32, 8, 2, 64, 2, 8  # 1, 2, 4, 8 ranks divide them (4, 8: K/V replicated)
 
 
-def part(t, dim):
-    """This rank's slice of t along dim (None: all of t): the demo's own reference, not the blocks' helpers."""
-    return t if dim is None else t.chunk(dist.get_world_size(), dim)[dist.get_rank()]
-
-
 def dense_attention(c_attn, c_proj, x):
     """The reference, nanoGPT's attention on [b, s, h] with GQA: K/V heads read by groups of query heads."""
     kv = (c_attn.out_features - HIDDEN) // 2
@@ -487,6 +491,7 @@ def dense_attention(c_attn, c_proj, x):
 def against_dense(dense_fn, block, x, dy, pairs, seq=None):
     """block on this rank's x (seq: SP's dim) == dense_fn, forward and backward, each pair's (layer, dense) grads too"""
     from common import traffic
+    part = lambda t, dim: t if dim is None else t.chunk(dist.get_world_size(), dim)[dist.get_rank()]   # the demo's own
     x_p, x_d = part(x, seq).clone().requires_grad_(), x.clone().requires_grad_()
     with traffic() as t:
         y = block(x_p)
@@ -494,11 +499,9 @@ def against_dense(dense_fn, block, x, dy, pairs, seq=None):
     allreduce_sequence_parallel_grads(block.parameters())       # the row bias under SP: partial sums
     y_d = dense_fn(x_d)
     y_d.backward(dy)
-    torch.testing.assert_close(y, part(y_d, seq))
-    torch.testing.assert_close(x_p.grad, part(x_d.grad, seq))
+    torch.testing.assert_close([y, x_p.grad], [part(y_d, seq), part(x_d.grad, seq)])
     grads = lambda m: (m.weight.grad, None if m.bias is None else m.bias.grad)
-    for layer, dense in pairs:
-        torch.testing.assert_close(grads(layer), layer.shard(*grads(dense)))
+    torch.testing.assert_close([grads(layer) for layer, _ in pairs], [layer.shard(*grads(d)) for layer, d in pairs])
     return t
 
 
@@ -511,39 +514,36 @@ def main():
     rank, world, device = setup()
     ints = lambda s: torch.randint(-9, 10, (SEQ, BATCH, HIDDEN), generator=torch.Generator().manual_seed(s))
     x, dy = (ints(s).to(device, torch.float64) for s in (1, 2))          # [s, b, h], integers: exact sums
+    xb, dyb = x.transpose(0, 1).contiguous(), dy.transpose(0, 1).contiguous()   # nanoGPT's [b, s, h]
     V, lin = x.numel() * x.element_size(), lambda i, o, bias=True: nn.Linear(i, o, bias, device, torch.float64)
     wire = lambda t: sum(ring_bytes(n, world * b if n == "all_gather" else b, world) for n, _, b in t.calls)
 
-    head(f"the MLP on p = {world} ranks, fc1 column-parallel, fc2 row-parallel: nanoGPT's (GELU) and Llama's (SwiGLU)")
+    head(f"nanoGPT's MLP on p = {world} ranks, fc1 column-parallel, fc2 row-parallel (SwiGLU's: tests/check_05.py)")
     fc1, fc2 = lin(HIDDEN, FFN), lin(FFN, HIDDEN)                          # nanoGPT's c_fc, c_proj
     mlp = parallel_mlp((fc1, nn.GELU(), fc2))
     t = against_dense(lambda x: fc2(F.gelu(fc1(x))), mlp, x, dy, [(mlp[0], fc1), (mlp[2], fc2)])
     assert [c[0] for c in t.calls] == ["all_reduce"] * 2 * (world > 1) and wire(t) == 4 * (world - 1) / world * V
-    gate_up, down = lin(HIDDEN, 2 * FFN, bias=False), lin(FFN, HIDDEN, bias=False)
-    gate, up = gate_up.weight.split(FFN)                                  # the dense three matrices: gate, up, down
-    swiglu = parallel_mlp((gate_up, nn.SiLU(), down), gated=True)         # [gate; up] split by fused_shard
-    against_dense(lambda x: down(F.silu(F.linear(x, gate)) * F.linear(x, up)), swiglu, x, dy,
-                  [(swiglu[0], gate_up), (swiglu[2], down)])
-    log(f"both == dense, forward and backward (every grad shard); one all-reduce each way: {wire(t):g} B sent = "
+    log(f"== dense, forward and backward (every grad shard); one all-reduce each way: {wire(t):g} B sent = "
         f"2 x 2({world}-1)/{world} x {V} B")
 
     head(f"GQA attention from a nanoGPT-style module (fused c_attn, batch-first): {HEADS} query, {KV_HEADS} K/V heads")
     c_attn, c_proj = lin(HIDDEN, HIDDEN + 2 * KV_HEADS * HIDDEN // HEADS), lin(HIDDEN, HIDDEN)
     user = SimpleNamespace(c_attn=c_attn, c_proj=c_proj, n_head=HEADS, n_kv_head=KV_HEADS)    # a user's module
     attn = ParallelSelfAttention.from_dense(user)                         # batch-first, as nanoGPT's
-    against_dense(lambda x: dense_attention(c_attn, c_proj, x), attn, x.transpose(0, 1), dy.transpose(0, 1),
+    against_dense(lambda x: dense_attention(c_attn, c_proj, x), attn, xb, dyb,
                   [(attn.qkv, c_attn), (attn.proj, c_proj)])
     log(f"== SDPA(enable_gqa=True) on the dense projections, forward and backward; a rank holds {HEADS // world} "
         f"query heads, {max(KV_HEADS // world, 1)} K/V head(s), each on {max(world // KV_HEADS, 1)} rank(s)")
 
-    head("sequence parallelism: the activations between blocks split along s")
-    fc1, fc2 = lin(HIDDEN, FFN), lin(FFN, HIDDEN)
-    mlp = parallel_mlp((fc1, nn.GELU(), fc2), sequence_parallel=True)
-    t = against_dense(lambda x: fc2(F.gelu(fc1(x))), mlp, x, dy, [(mlp[0], fc1), (mlp[2], fc2)], seq=0)
-    assert wire(t) == 5 * (world - 1) / world * V + 64 * (world - 1), t.calls     # + the 64-B slice check
-    log(f"the MLP on [s/p, b, h] == dense; it sends {wire(t):g} B = (2 + 3)({world}-1)/{world} x {V} B + "
-        f"{64 * (world - 1)} B (the slice check)")
-    finish(f"MLP, SwiGLU and GQA attention over p = {world}, TP and SP, == dense, forward and backward")
+    head("sequence parallelism: the activations between blocks split along s, of [s, b, h] or of [b, s, h]")
+    for seq, xs, dys in ((0, x, dy), (1, xb, dyb)):                      # sequence_dim=1: nanoGPT's [b, s, h]
+        fc1, fc2 = lin(HIDDEN, FFN), lin(FFN, HIDDEN)
+        mlp = parallel_mlp((fc1, nn.GELU(), fc2), sequence_parallel=True, sequence_dim=seq)
+        t = against_dense(lambda x: fc2(F.gelu(fc1(x))), mlp, xs, dys, [(mlp[0], fc1), (mlp[2], fc2)], seq=seq)
+        assert wire(t) == 5 * (world - 1) / world * V + 64 * (world - 1), t.calls     # + the 64-B slice check
+    log(f"the MLP on [s/p, b, h] and on [b, s/p, h] == dense; each sends {wire(t):g} B = (2 + 3)({world}-1)/{world} "
+        f"x {V} B + {64 * (world - 1)} B (the slice check)")
+    finish(f"MLP and GQA attention over p = {world}, TP and SP ([s, b, h], [b, s, h]) == dense, forward and backward")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 parallelism (ring attention over zig-zag shards), for GPT- and Llama-shaped attention (GQA, rotary positions).
 
 Megatron SP (Korthikanti et al., 2022). TP runs LayerNorm, dropout and the residual on the whole [s, b, h] on every
-rank; SP splits them along s (dim 0, Megatron's [s, b, h]) and cuts TP's all-reduce into its halves:
+rank; SP splits them along s (dim 0 of [s, b, h]; sequence_dim=1 of [b, s, h]), cuts TP's all-reduce in halves:
     TP:  x[s, b, h]     LN  f (identity)  fc1 GeLU fc2  g (all-reduce)   + x     every rank holds all of s
     SP:  x[s/tp, b, h]  LN  all-gather    fc1 GeLU fc2  reduce-scatter   + x     rank i holds s_i only
          R0 [s0]  --all-gather-->  R0 [s0 s1 s2 s3] ... R0 [s0 s1 s2 s3] partial  --reduce-scatter-->  R0 [s0]
@@ -228,10 +228,11 @@ def reduce_scatter_to_sequence_parallel_region(x, group=None, *, dim=0):
 
 # ---- building blocks: Megatron SP's linear layer and MLP block ------------------------------------------------
 class LinearWithSequenceParallel(torch.autograd.Function):
-    """forward: all-gather x along the sequence (dim 0), then x @ W.T + b; backward: grad_x = grad @ W,
-    reduce-scattered async while dW is computed (Megatron's LinearWithGradAccumulationAndAsyncCommunication).
+    """forward: all-gather x along the sequence, then x @ W.T + b; backward: grad_x = grad @ W, reduce-scattered
+    async while dW is computed (Megatron's LinearWithGradAccumulationAndAsyncCommunication).
 
         x: [s/tp, b, h] this rank's slice     W: [f/tp, h] this rank's rows     out: [s, b, f/tp]
+    sequence_dim=1 (torch's SequenceParallel(sequence_dim=1)): x [b, s/tp, h], out [b, s, f/tp] ([s, b, ..] memory).
     Only the [s/tp, b, h] slice is kept for backward, which all-gathers it again (overlapping grad @ W).
     dW arrives in W.grad, as for nn.Linear, in any model and with any torch optimizer. Megatron's fusion happens
     only where a data-parallel wrapper asks for it, by giving W a `main_grad` (its view of a bucket, fp32 or
@@ -242,17 +243,20 @@ class LinearWithSequenceParallel(torch.autograd.Function):
     the other op's dW to it, and the wrapper adds W.grad into main_grad (Megatron's rule).
     """
     @staticmethod
-    def forward(ctx, x, weight, bias=None, group=None, gradient_accumulation_fusion=True):
-        # the Parameter itself rides on ctx: main_grad and the flag live on it, and a saved tensor can come back
-        # as another Python object (saved-tensor hooks)
+    def forward(ctx, x, weight, bias=None, group=None, gradient_accumulation_fusion=True, sequence_dim=0):
+        if type(sequence_dim) is not int or not 0 <= sequence_dim < x.dim() - 1:
+            raise ValueError(f"sequence_dim={sequence_dim!r} is not a dim of x {tuple(x.shape)} before its features")
+        # ctx holds the Parameter itself: main_grad and its flag live on it (saved-tensor hooks may hand back another)
         ctx.group, ctx.param, ctx.fusion, ctx.has_bias = group, weight, gradient_accumulation_fusion, bias is not None
+        ctx.dim, x = sequence_dim, x.movedim(sequence_dim, 0).contiguous()        # [s/tp, b, h]
         ctx.save_for_backward(x, weight)
-        return F.linear(_gather_along_dim(x, 0, group), weight, bias)              # [s, b, h] @ [h, f/tp]
+        return F.linear(_gather_along_dim(x, 0, group), weight, bias).movedim(0, sequence_dim)  # [s, b, h] @ [h, f/tp]
 
     @staticmethod
     def backward(ctx, grad):                                                       # grad: [s, b, f/tp]
         x, weight = ctx.saved_tensors
         total, gathering = _gather_along_dim(x, 0, ctx.group, async_op=True)       # [s, b, h], in flight
+        grad = grad.movedim(ctx.dim, 0).contiguous()                               # [s, b, f/tp]
         grad_input = grad.matmul(weight)                                           # [s, b, h], partial over ranks
         _wait(gathering)
         grad_x, scattering = _reduce_scatter_along_dim(grad_input, 0, ctx.group, async_op=True)  # [s/tp, b, h]
@@ -267,21 +271,19 @@ class LinearWithSequenceParallel(torch.autograd.Function):
             grad_weight = grad.t().matmul(total)                 # [f/tp, h], contiguous: autograd's layout
         grad_bias = grad.sum(0) if ctx.has_bias else None
         _wait(scattering)
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x.movedim(0, ctx.dim), grad_weight, grad_bias, None, None, None
 
 
-def mlp_block(x, p, sequence_parallel: bool, group=None):
+def mlp_block(x, p, sequence_parallel: bool, group=None, sequence_dim=0):
     """x + fc2(GeLU(fc1(LayerNorm(x)))) on this rank's TP shard: p['w1'], p['b1'] hold fc1's rows, p['w2'] fc2's
-    columns, the rest whole. With SP, x and the output are [s/tp, b, h]; without, [s, b, h] on every rank."""
+    columns, the rest whole. x, out: [s/tp, b, h] with SP ([b, s/tp, h]: sequence_dim=1), else [s, b, h] whole."""
     h = F.layer_norm(x, x.shape[-1:], p["ln_w"], p["ln_b"])
-    if sequence_parallel:
-        h = LinearWithSequenceParallel.apply(h, p["w1"], p["b1"], group)                  # [s, b, f/tp]
-    else:
+    if not sequence_parallel:
         h = F.linear(copy_to_tensor_model_parallel_region(h, group), p["w1"], p["b1"])    # [s, b, f/tp]
-    h = F.linear(F.gelu(h), p["w2"])                                        # [s, b, h], partial over ranks
-    if sequence_parallel:
-        return x + reduce_scatter_to_sequence_parallel_region(h, group) + p["b2"]         # [s/tp, b, h]
-    return x + reduce_from_tensor_model_parallel_region(h, group) + p["b2"]               # [s, b, h]
+        return x + reduce_from_tensor_model_parallel_region(F.linear(F.gelu(h), p["w2"]), group) + p["b2"]
+    h = LinearWithSequenceParallel.apply(h, p["w1"], p["b1"], group, True, sequence_dim)   # [s, b, f/tp] memory
+    h = F.linear(F.gelu(h).movedim(sequence_dim, 0), p["w2"])               # [s, b, h], partial over ranks
+    return x + reduce_scatter_to_sequence_parallel_region(h, group).movedim(0, sequence_dim) + p["b2"]  # [s/tp, b, h]
 
 
 def allreduce_sequence_parallel_grads(params, group=None):
@@ -587,9 +589,9 @@ def megatron_sp(device):
     allreduce_sequence_parallel_grads(p.values())
     torch.testing.assert_close([y, mine.grad, *(t.grad for t in p.values())],        # fc1's dW in W.grad too
                                [ref.chunk(P)[r], x.grad.chunk(P)[r], *(shard(k, t.grad) for k, t in dense.items())])
-    V = S * B * H * 8
-    assert (sent(fwd), sent(bwd)) == (2 * (P - 1) * V // P, 3 * (P - 1) * V // P), (sent(fwd), sent(bwd))
-    log(f"output, dx and every grad == the dense block (LN's and fc2 bias's after one all-reduce); each rank sent "
+    torch.testing.assert_close(mlp_block(mine.transpose(0, 1), p, True, sequence_dim=1), y.transpose(0, 1))  # [b, s, h]
+    assert (sent(fwd), sent(bwd)) == (2 * (P - 1) * x.nbytes // P, 3 * (P - 1) * x.nbytes // P), (sent(fwd), sent(bwd))
+    log(f"output, dx, every grad == the dense block (LN's, fc2 bias's after 1 all-reduce), y on [b, s/tp, h] too; sent "
         f"{sent(fwd)} B = 2(tp-1)/tp*V forward (TP's all-reduce) and {sent(bwd)} B = 3(tp-1)/tp*V backward")
 
 
@@ -609,8 +611,8 @@ def zigzag(device):
     P, r = dist.get_world_size(), dist.get_rank()
     pos, c = shard_positions(S, device=device), S // (2 * P)                         # my rows' global positions
     assert pos.tolist() == [*range(r * c, (r + 1) * c), *range((2 * P - 1 - r) * c, (2 * P - r) * c)]
-    x = torch.randn(S, B, 3, device=device)
-    assert torch.equal(zigzag_shard(x, 0), x[pos]) and torch.equal(zigzag_unshard(zigzag_shard(x, 0), 0), x)
+    x = torch.randn(B, S, 3, device=device)                                         # batch-first: s is dim 1
+    assert torch.equal(zigzag_shard(x, 1), x[:, pos]) and torch.equal(zigzag_unshard(zigzag_shard(x, 1), 1), x)
     pairs = torch.stack([(p + 1).sum() for p in (pos, shard_positions(S, zigzag=False, device=device))])
     zig, contiguous = gather_from_sequence_parallel_region(pairs[None]).t().tolist()   # causal pairs, every rank
     assert set(zig) == {S * (S + 1) // (2 * P)}, zig
@@ -641,8 +643,7 @@ def main():
     zigzag(device)
     head("ring attention over zig-zag shards, RoPE at their positions == SDPA on the whole sequence, float64")
     ring(device)
-    finish("Megatron SP == dense; Ulysses and ring attention with GQA and RoPE at each shard's positions == SDPA; "
-           "the bytes of their closed forms; zig-zag positions and balance")
+    finish("Megatron SP ([s, b, h], [b, s, h]) == dense; Ulysses, ring attention (GQA, RoPE) == SDPA; bytes; zig-zag")
 
 
 if __name__ == "__main__":

@@ -3,19 +3,24 @@ rank ({0, 2, ..} and {1, 3, ..}), from non-contiguous inputs, in float64 (intege
 - the seven mappings: forward and backward == their closed forms, <op(x), dy> == <x, op_backward(dy)>, and each
   issues its collective on its group, handing in the tensor its docstring names; scatters hand back contiguous slices;
 - ColumnParallelLinear and RowParallelLinear with every option (gather_output, input_is_parallel, sequence_parallel,
-  check_slices) == nn.Linear, with the collectives each issues; the row bias is added once, after the all-reduce;
-- the MLP (GELU and SwiGLU, with and without biases) and attention (nn.MultiheadAttention's, nanoGPT's, GQA at 1,
-  2 (no biases), 4 and 8 K/V heads against the repeat-interleaved reference, batch-first or not), TP and SP: == dense
-  forward and backward, the bytes on the wire == the closed forms (replicated K/V heads: one all-reduce more, of
-  their grads), parameter bytes per rank, every gradient contiguous; bf16 within 2**-6 of the dense bf16 modules;
-  at 8 ranks the world only, and only the blocks whose K/V heads replicate there, with the MLP;
+  check_slices; SP on [s, b, h] and on batch-first [b, s, h], sequence_dim=1) == nn.Linear, with the collectives each
+  issues; the row bias is added once, after the all-reduce;
+- the MLP (GELU and SwiGLU, with and without biases, [s, b, h] and [b, s, h]) and attention (nn.MultiheadAttention's,
+  nanoGPT's, GQA at 1, 2 (no biases), 4 and 8 K/V heads against the repeat-interleaved reference, batch-first or not),
+  TP and SP: == dense forward and backward, the bytes on the wire == the closed forms (replicated K/V heads: one
+  all-reduce more, of their grads), parameter bytes per rank, every gradient contiguous; bf16 within 2**-6 of the
+  dense bf16 modules; at 8 ranks the world only, and only the blocks whose K/V heads replicate there, with the MLP
+  (both layouts);
 - fused_shard's rows, index by index; [gate; up] split as it lies is wrong;
 - bytes saved for backward (tests.tools.kept_for_backward): MLP TP V + 2A, SP V/p + 2A; attention V - V/p less;
+  batch-first SP (sequence_dim=1) keeps the same bytes and makes exactly one layout copy of a slice more each way;
 - the SP slice check: one 64-B all-gather a call (none with check_slices=False), unequal slices refused on every rank;
 - (at 1, 2, 4 ranks) nanoGPT's own modules; bf16; dW in W.grad in a plain model (torch.optim.SGD moves the SP
   weight exactly as the dense one), and the main_grad handshake as a data-parallel wrapper drives it: fused, tied
   (zero_out_wgrad), declined, a bf16 weight with an fp32 main_grad, a replicated K/V layer (the layer declines,
   the wrapper adds W.grad); TP x DP groups from tp_dp_groups: members, sums, DP-averaged TP grads == dense;
+- sequence_dim: 0 and 1 pass, 2, -1 and non-ints refused at construction; a 2-dim x with sequence_dim=1 refused at
+  the call (column and row), as qkv and proj of different layouts in one attention;
 - every refusal a block makes at its boundary: the last valid value passes, the first invalid one is refused in one
   line (before any message where the block can tell alone), on every rank.
 """
@@ -186,44 +191,56 @@ def linear_layers(groups, device):
     torch.manual_seed(1)
     dense = nn.Linear(HIDDEN, FFN, device=device, dtype=F64)
     x, dy = ints(2, SEQ, BATCH, HIDDEN, device=device), ints(3, SEQ, BATCH, FFN, device=device)
+    S = "s"    # the sequence's dim: 0 of [s, b, h], 1 of batch-first [b, s, h] (sequence_dim=1)
     cases = (  # class, options, x_dim, y_dim, the collectives issued forward then backward
         (m.ColumnParallelLinear, {"gather_output": True}, None, None, ["all_gather", "all_reduce"]),
         (m.RowParallelLinear, {"input_is_parallel": False}, None, None, ["all_reduce", "all_gather"]),
         (m.ColumnParallelLinear, {}, None, -1, ["all_reduce"]),
         (m.RowParallelLinear, {}, -1, None, ["all_reduce"]),
-        (m.ColumnParallelLinear, {"sequence_parallel": True}, SEQ_DIM, -1,
+        (m.ColumnParallelLinear, {"sequence_parallel": True}, S, -1,
          ["all_gather", "all_gather", "all_gather", "reduce_scatter"]),               # the slice check first
-        (m.ColumnParallelLinear, {"sequence_parallel": True, "check_slices": False}, SEQ_DIM, -1,
+        (m.ColumnParallelLinear, {"sequence_parallel": True, "check_slices": False}, S, -1,
          ["all_gather", "all_gather", "reduce_scatter"]),
-        (m.RowParallelLinear, {"sequence_parallel": True}, -1, SEQ_DIM, ["reduce_scatter", "all_gather"]),
-        (m.ColumnParallelLinear, {"sequence_parallel": True, "gather_output": True}, SEQ_DIM, None,
+        (m.RowParallelLinear, {"sequence_parallel": True}, -1, S, ["reduce_scatter", "all_gather"]),
+        (m.ColumnParallelLinear, {"sequence_parallel": True, "gather_output": True}, S, None,
          ["all_gather", "all_gather", "all_gather", "all_gather", "reduce_scatter"]),
-        (m.RowParallelLinear, {"sequence_parallel": True, "input_is_parallel": False}, None, SEQ_DIM,
+        (m.RowParallelLinear, {"sequence_parallel": True, "input_is_parallel": False}, None, S,
          ["reduce_scatter", "all_gather", "all_gather"]))
+    runs = 0
     for group in groups:
-        for cls, options, x_dim, y_dim, comms in cases:
-            dense.zero_grad()
-            layer = cls.from_dense(dense, group, **options)
-            t = check_against_dense(dense, layer, x, dy, group, lambda: [(layer, dense.weight, dense.bias)],
-                                    x_dim, y_dim)
-            assert names(t) == (comms if dist.get_world_size(group) > 1 else []), (cls, options, t.calls)
+        for seq in (0, 1):                                        # [s, b, h], then batch-first [b, s, h]
+            xs, dys = (x, dy) if seq == 0 else (x.transpose(0, 1), dy.transpose(0, 1))
+            for cls, options, x_dim, y_dim, comms in cases:
+                if seq and not options.get("sequence_parallel"):    # without SP the layout is the user's own
+                    continue
+                dense.zero_grad()
+                layer = cls.from_dense(dense, group, **options, sequence_dim=seq)
+                x_dim, y_dim = (seq if d == S else d for d in (x_dim, y_dim))
+                t = check_against_dense(dense, layer, xs, dys, group, lambda: [(layer, dense.weight, dense.bias)],
+                                        x_dim, y_dim)
+                assert names(t) == (comms if dist.get_world_size(group) > 1 else []), (cls, options, t.calls)
+                runs += 1
     world = dist.get_world_size()
     row = m.RowParallelLinear.from_dense(dense)
     bias_inside = m._reduce(F.linear(part(x, -1, None), row.weight, row.bias), None)  # the bias added before g
     torch.testing.assert_close(bias_inside - dense(x), (world - 1) * dense.bias.expand_as(bias_inside))
-    log(f"{len(cases)} layer variants == nn.Linear on both groups, each its collectives; the row bias added once "
-        f"(before the all-reduce it would count {world} times)")
+    log(f"{len(cases)} layer variants == nn.Linear on both groups, each its collectives, the SP ones on [s, b, h] and "
+        f"on [b, s, h] (sequence_dim=1): {runs} runs; the row bias added once (before the all-reduce it would count "
+        f"{world} times)")
 
 
-def dense_mlp(seed, device, dtype=F64, gated=False, bias=True):
+def dense_mlp(seed, device, dtype=F64, gated=False, bias=True, batch_first=False):
     """A dense MLP as (forward, parallel maker, pairs, batch_first, K/V heads): GELU Sequential, or SwiGLU's three
-    matrices (gate, up, down), whose parallel version is built from their fused copy [gate; up] (fn.fused)."""
+    matrices (gate, up, down), whose parallel version is built from their fused copy [gate; up] (fn.fused).
+    batch_first: the parallel MLP takes [b, s, h] (sequence_dim=1); the dense one is the same, position-wise."""
+    seq = int(batch_first)
     torch.manual_seed(seed)
     lin = lambda i, o: nn.Linear(i, o, bias=bias, device=device, dtype=dtype)
     if not gated:
         mlp = nn.Sequential(lin(HIDDEN, FFN), nn.GELU(), lin(FFN, HIDDEN))
-        return (mlp, lambda **kw: m.parallel_mlp(mlp, **kw),
-                lambda par: [(par[0], mlp[0].weight, mlp[0].bias), (par[2], mlp[2].weight, mlp[2].bias)], False, HEADS)
+        return (mlp, lambda **kw: m.parallel_mlp(mlp, sequence_dim=seq, **kw),
+                lambda par: [(par[0], mlp[0].weight, mlp[0].bias), (par[2], mlp[2].weight, mlp[2].bias)], batch_first,
+                HEADS)
     gate, up, down, fused = lin(HIDDEN, FFN), lin(HIDDEN, FFN), lin(FFN, HIDDEN), lin(HIDDEN, 2 * FFN)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([gate.weight, up.weight]))
@@ -238,7 +255,8 @@ def dense_mlp(seed, device, dtype=F64, gated=False, bias=True):
         return [(par[0], cat.weight, cat.bias), (par[2], down.weight, down.bias)]
     fn = lambda x: down(F.silu(gate(x)) * up(x))
     fn.zero_grad, fn.fused = lambda: [t.zero_grad() for t in (gate, up, down)], fused
-    return fn, lambda **kw: m.parallel_mlp((fused, nn.SiLU(), down), gated=True, **kw), pairs, False, HEADS
+    return (fn, lambda **kw: m.parallel_mlp((fused, nn.SiLU(), down), gated=True, sequence_dim=seq, **kw), pairs,
+            batch_first, HEADS)
 
 
 def mha_attention(seed, device, dtype=F64):
@@ -252,7 +270,7 @@ def mha_attention(seed, device, dtype=F64):
     causal = nn.Transformer.generate_square_subsequent_mask(SEQ, device=device, dtype=dtype)
     fn = lambda x: mha(x, x, x, need_weights=False, attn_mask=causal, is_causal=True)[0]
     fn.zero_grad = mha.zero_grad
-    make = lambda **kw: m.ParallelSelfAttention.from_dense(shell, batch_first=False, **kw)
+    make = lambda **kw: m.ParallelSelfAttention.from_dense(shell, sequence_dim=0, **kw)
     pairs = lambda par: [(par.qkv, c_attn.weight, c_attn.bias), (par.proj, mha.out_proj.weight, mha.out_proj.bias)]
     return fn, make, pairs, False, HEADS
 
@@ -273,7 +291,7 @@ def gqa_attention(seed, n_kv, device, dtype=F64, batch_first=True, bias=True):
         y = c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
         return y if batch_first else y.transpose(0, 1)
     fn.zero_grad = lambda: (c_attn.zero_grad(), c_proj.zero_grad())
-    make = lambda **kw: m.ParallelSelfAttention.from_dense(user, batch_first=batch_first, **kw)
+    make = lambda **kw: m.ParallelSelfAttention.from_dense(user, sequence_dim=int(batch_first), **kw)
     pairs = lambda par: [(par.qkv, c_attn.weight, c_attn.bias), (par.proj, c_proj.weight, c_proj.bias)]
     return fn, make, pairs, batch_first, n_kv
 
@@ -282,6 +300,9 @@ def cases(device, dtype=F64, only=None):
     """The lesson's blocks (those named, default all), each as dense_mlp returns it."""
     every = {"MLP": lambda: dense_mlp(2, device, dtype), "SwiGLU": lambda: dense_mlp(3, device, dtype, gated=True),
              "SwiGLU without biases": lambda: dense_mlp(3, device, dtype, gated=True, bias=False),
+             "MLP, [b, s, h]": lambda: dense_mlp(2, device, dtype, batch_first=True),
+             "SwiGLU without biases, [b, s, h]": lambda: dense_mlp(3, device, dtype, gated=True, bias=False,
+                                                                   batch_first=True),
              "MHA": lambda: mha_attention(2, device, dtype)}
     every.update({f"GQA, {n} K/V heads{', [s, b, h]' * (n == 4)}{', no biases' * (n == 2)}":
                   (lambda n=n: gqa_attention(6 + n, n, device, dtype, n != 4, n != 2)) for n in (1, 2, 4, 8)})
@@ -302,7 +323,7 @@ def blocks(groups, device, only=None):
         for name, (fn, make, pairs, batch_first, n_kv) in run:
             xx, dd = (x.transpose(0, 1), dy.transpose(0, 1)) if batch_first else (x, dy)
             seq_dim = (1 if batch_first else SEQ_DIM) if sp else None
-            for group in groups if name in ("MLP", "MHA", "GQA, 1 K/V heads") else groups[:1]:    # sub-group: 3
+            for group in groups if name in ("MLP", "MLP, [b, s, h]", "MHA", "GQA, 1 K/V heads") else groups[:1]:
                 p = dist.get_world_size(group)
                 fn.zero_grad()
                 par = make(group=group, sequence_parallel=sp)
@@ -327,16 +348,6 @@ def blocks(groups, device, only=None):
         f"parameter bytes per rank")
 
 
-class SeqFirst(nn.Module):
-    """A sequence-first block in a batch-first model: the user's one call, x.transpose(0, 1) in and out."""
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x.transpose(0, 1)).transpose(0, 1)
-
-
 def nanogpt_modules(device):
     head("nanoGPT's own CausalSelfAttention and MLP (tests/nanogpt.py), batch-first, TP and SP")
     from tests.nanogpt import MLP, CausalSelfAttention, GPTConfig
@@ -351,13 +362,13 @@ def nanogpt_modules(device):
                                                              (par.proj, attn.c_proj.weight, attn.c_proj.bias)],
                             1 if sp else None, 1 if sp else None)
         mlp.zero_grad()
-        pm = m.parallel_mlp((mlp.c_fc, mlp.gelu, mlp.c_proj), sequence_parallel=sp)
-        check_against_dense(mlp, SeqFirst(pm) if sp else pm, x, dy, None,
+        pm = m.parallel_mlp((mlp.c_fc, mlp.gelu, mlp.c_proj), sequence_parallel=sp, sequence_dim=1)
+        check_against_dense(mlp, pm, x, dy, None,
                             lambda: [(pm[0], mlp.c_fc.weight, mlp.c_fc.bias), (pm[2], mlp.c_proj.weight,
                                                                                  mlp.c_proj.bias)],
                             1 if sp else None, 1 if sp else None)
     log("CausalSelfAttention (fused c_attn) via from_dense and MLP via parallel_mlp((c_fc, gelu, c_proj)) == the "
-        "modules, TP and SP ([b, s/p, h]; the MLP under SP through one transpose)")
+        "modules, TP and SP ([b, s/p, h]: sequence_dim=1, no transpose)")
 
 
 def fused_layout(device):
@@ -410,6 +421,62 @@ def activation_memory(device):
     assert att[False] - att[True] == V - V // world, att    # QKV's input [s, b, h] -> [s/p, b, h]; the rest alike
     log(f"MLP: TP {got[False]} B = V + 2A, SP {got[True]} B = V/{world} + 2A (V = {V} B, A = {A} B); attention: "
         f"TP {att[False]} B, SP {att[True]} B, V - V/{world} less")
+
+
+class LayoutCopies:
+    """A dispatch mode that adds up the bytes of every layout copy (clone, copy_, _to_copy) made inside it."""
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            @classmethod
+            def _should_skip_dynamo(cls):  # as common.traffic's: saves importing dynamo
+                return False
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func._overloadpacket.__name__ in ("clone", "copy_", "_to_copy"):
+                    counter.copies.append(out.nbytes)
+                return out
+        self.copies, self.mode = [], Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def batch_first_cost(device):
+    """sequence_dim=1 next to Megatron's [s, b, h] (their values == dense: blocks, bfloat16): the layers compute in
+    [s, b, ..] memory and hand [b, s, ..] views of it on, so a batch-first SP block (MLP, attention) makes ONE layout
+    copy more each way, of one slice (its input into that memory forward, its output's grad backward), at every p:
+    no transpose around each layer; and it keeps the same bytes for backward (that copy, not the caller's slice)."""
+    head("sequence_dim=1: a batch-first SP block's layout copies and saved bytes, against [s, b, h]")
+    world = dist.get_world_size()
+    slice_bytes = SEQ // world * BATCH * HIDDEN * F64.itemsize
+    copies, kept = {}, {}
+    for seq in (0, 1):
+        shape = (SEQ // world, BATCH, HIDDEN) if seq == 0 else (BATCH, SEQ // world, HIDDEN)
+        for name, made in (("MLP", dense_mlp(2, device, batch_first=bool(seq))),
+                           ("attention", gqa_attention(9, HEADS, device, batch_first=bool(seq)))):
+            par = made[1](sequence_parallel=True)
+            x_in, dy = (ints(s, *shape, device=device).contiguous() for s in (4, 5))     # the layout's own memory
+            x_in.requires_grad_()
+            with LayoutCopies() as fwd:                 # x_in * 1: an input that nothing but the block keeps
+                y, kept[name, seq] = kept_for_backward(lambda: par(x_in * 1), par.parameters())
+            with LayoutCopies() as bwd:
+                torch.autograd.grad(y, x_in, dy)
+            copies[name, seq] = (fwd.copies, bwd.copies)
+    extra = (1, slice_bytes) if SEQ // world > 1 else (0, 0)     # one row a rank: [b, 1, h] is that memory already
+    for name in ("MLP", "attention"):
+        (f0, b0), (f1, b1) = copies[name, 0], copies[name, 1]
+        assert (len(f1) - len(f0), sum(f1) - sum(f0)) == extra, (name, f0, f1)
+        assert (len(b1) - len(b0), sum(b1) - sum(b0)) == extra, (name, b0, b1)
+        assert kept[name, 1] == kept[name, 0], (name, kept)
+    log(f"MLP and attention on [b, s/p, h]: {extra[0]} copy of {extra[1]} B (a slice) more forward and backward than "
+        f"on [s/p, b, h] ({sum(copies['MLP', 0][0])} B there, the reduce-scatter's); bytes kept for backward equal "
+        f"(MLP {kept['MLP', 1]} B, attention {kept['attention', 1]} B)")
 
 
 def unequal_slices(sub, device):
@@ -540,7 +607,8 @@ def bfloat16(device):
     x, dy = (torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(s)).to(device, torch.bfloat16)
              for s in (6, 7))
     for name, (fn, make, pairs, batch_first, _) in cases(device, torch.bfloat16,
-                                                         ("MLP", "SwiGLU", "MHA", "GQA, 2 K/V heads, no biases")):
+                                                         ("MLP", "MLP, [b, s, h]", "SwiGLU", "MHA",
+                                                          "GQA, 2 K/V heads, no biases")):
         xx, dd = (x.transpose(0, 1), dy.transpose(0, 1)) if batch_first else (x, dy)
         for sp in (False, True):
             par = make(sequence_parallel=sp)
@@ -554,7 +622,8 @@ def bfloat16(device):
             for got, want in [(y_p, y), (x_p.grad, x_d.grad)]:
                 torch.testing.assert_close(got, cut(want), rtol=BF16_TOL, atol=BF16_TOL)
             assert all(p.grad.dtype == torch.bfloat16 for p in par.parameters()), name
-    log("MLP, SwiGLU, MHA, GQA (2 K/V heads, no biases: replicated from p = 4), TP and SP, in bf16 (the collectives "
+    log("MLP ([s, b, h] and [b, s, h]), SwiGLU, MHA, GQA (2 K/V heads, no biases: replicated from p = 4), TP and SP, "
+        "in bf16 (the collectives "
         "too): output and input grad == the dense bf16 modules' within rtol = atol = 2**-6; every grad bf16")
 
 
@@ -591,7 +660,7 @@ def tp_dp_grid(device):
 def refusals(device):
     head("every refusal at its boundary: the last valid value passes, the first invalid one is refused in one line")
     p = dist.get_world_size()
-    said = []
+    said, alone = [], []
 
     def edge(valid, invalid, message, sized=False):
         """valid() passes; invalid() is refused in one line before any message, saying `message` (sized: a size the
@@ -640,10 +709,10 @@ def refusals(device):
         "fused= splits a ColumnParallelLinear's rows by pieces, without gather_output"
     # attention: query heads split (never replicated), K/V heads divide or are divided by p, n_head % n_kv_head,
     # and no dropout
-    def attention(n_head, n_kv, dropout=0.0, d=2):
+    def attention(n_head, n_kv, dropout=0.0, d=2, **options):
         user = SimpleNamespace(c_attn=lin(HIDDEN, (n_head + 2 * n_kv) * d), c_proj=lin(n_head * d, HIDDEN),
                                n_head=n_head, n_kv_head=n_kv, dropout=dropout)
-        return lambda: m.ParallelSelfAttention.from_dense(user)
+        return lambda: m.ParallelSelfAttention.from_dense(user, **options)
     edge(attention(4 * p, 2 * p), attention(3 * p, 2 * p), f"n_head={3 * p} is not divisible by n_kv_head={2 * p}")
     if p > 1:                                     # query heads are never replicated; K/V heads may be
         edge(attention(p, p), attention(p // 2, p // 2), f"n_head={p // 2} is not divisible by the group size {p}")
@@ -659,10 +728,35 @@ def refusals(device):
     edge(lambda: m.parallel_mlp((lin(HIDDEN, 2 * FFN), nn.SiLU(), lin(FFN, HIDDEN)), gated=True),
          lambda: m.parallel_mlp((lin(HIDDEN, 2 * FFN + 2), nn.SiLU(), lin(FFN, HIDDEN)), gated=True),
          f"{2 * FFN + 2} rows do not split into fused={(FFN, FFN)} units of equal rows")
+    # sequence_dim: 0 or 1 (the last valid), at construction; at the call, a dim of x before its features
+    for make in (lambda d: m.ColumnParallelLinear(HIDDEN, 2 * p, sequence_dim=d),
+                 lambda d: m.RowParallelLinear(2 * p, HIDDEN, sequence_dim=d),
+                 lambda d: m.parallel_mlp((lin(HIDDEN, FFN), nn.GELU(), lin(FFN, HIDDEN)), sequence_dim=d),
+                 lambda d: attention(HEADS, HEADS, sequence_dim=d)()):
+        for good, bad in ((1, 2), (0, -1)):
+            edge(lambda: make(good), lambda: make(bad), f"sequence_dim={bad} is not 0 (Megatron's [s, b, h]) or 1 "
+                                                         "([b, s, h])")
+        for bad in ("1", True, 1.0, None):        # not an int: refused as such, though True == 1 == 1.0
+            alone.append(refused(lambda: make(bad)))
+            assert alone[-1] == f"sequence_dim={bad!r} is not 0 (Megatron's [s, b, h]) or 1 ([b, s, h])", bad
+    for check in (True, False):                   # x [s, h], no batch: sequence_dim=1 is its features' dim
+        col = m.ColumnParallelLinear(HIDDEN, 2 * p, sequence_parallel=True, sequence_dim=1, check_slices=check,
+                                     device=device, dtype=F64)
+        edge(lambda: col(torch.zeros(1, 2, HIDDEN, device=device, dtype=F64)),
+             lambda: col(torch.zeros(2, HIDDEN, device=device, dtype=F64)),
+             f"sequence_dim=1 is not a dim of x (2, {HIDDEN}) before its features")
+    row = m.RowParallelLinear(2 * p, HIDDEN, sequence_parallel=True, sequence_dim=1, device=device, dtype=F64)
+    edge(lambda: row(torch.zeros(1, p, 2, device=device, dtype=F64)),
+         lambda: row(torch.zeros(p, 2, device=device, dtype=F64)), f"sequence_dim=1 is not a dim of x ({p}, 2) before "
+                                                                   "its features")
+    qkv, proj = (m.ColumnParallelLinear(HIDDEN, 3 * HIDDEN, sequence_dim=1), m.RowParallelLinear(HIDDEN, HIDDEN))
+    edge(lambda: m.ParallelSelfAttention(qkv, m.RowParallelLinear(HIDDEN, HIDDEN, sequence_dim=1), HEADS),
+         lambda: m.ParallelSelfAttention(qkv, proj, HEADS), "qkv's sequence_dim=1 and proj's=0 differ")
     # tp_dp_groups: tp must divide the world size (refused before any group is made)
     assert refused(lambda: m.tp_dp_groups(p + 1)) == \
         f"world size {p} is not divisible by the tensor-parallel size {p + 1}"
-    log(f"{len(said)} refusals at their edges (+ 4 without one), one line on every rank, e.g. {said[0]!r}")
+    log(f"{len(said)} refusals at their edges (+ {4 + len(alone)} without one), one line on every rank, e.g. "
+        f"{said[0]!r}")
 
 
 def main():
@@ -680,6 +774,7 @@ def main():
                                                                       "GQA, 4 K/V heads, [s, b, h]"))
     fused_layout(device)
     activation_memory(device)
+    batch_first_cost(device)
     unequal_slices(groups[-1], device)
     if full:               # the same at every p: run where it is cheap
         tp_dp_grid(device)
@@ -687,8 +782,8 @@ def main():
         dw_and_main_grad(device)
         bfloat16(device)
     refusals(device)
-    finish(f"mappings, layers, MLP, SwiGLU, MHA and GQA attention (TP and SP) == dense at p = {world} and on "
-           f"sub-groups; bytes, main_grad, TP x DP, bf16, refusals at their edges")
+    finish(f"mappings, layers, MLP, SwiGLU, MHA and GQA attention (TP and SP, [s, b, h] and [b, s, h]) == dense at "
+           f"p = {world} and on sub-groups; bytes, copies, main_grad, TP x DP, bf16, refusals at their edges")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """What this proves beyond 06's lesson: every block on the world and on sub-groups whose group rank is not the
 global rank, on strided (non-contiguous) inputs; the regions' values and adjoints along dims 0 and 1; the MLP block
-under TP and SP with its traffic and activation bytes to the byte; the SP linear in a plain model with a torch
-optimizer, under saved-tensor hooks and in a wrapper's main_grad handshake (fused, declined, tied); Ulysses and ring
+under TP and SP, on [s, b, h] and batch-first [b, s, h] (sequence_dim=1), with its traffic and activation bytes to the
+byte; the SP linear (both layouts) in a plain model with a torch optimizer, under saved-tensor hooks and in a
+wrapper's main_grad handshake (fused, declined, tied), sequence_dim refused at its edges; Ulysses and ring
 attention with MHA, GQA and MQA, causal and not, in every layout, fp64 and bf16, with their messages counted and
 replayed as blocking sends; RoPE against a complex-number reference; the fused kernel against the explicit block,
 the work it is asked for and the bytes a ring step holds, to the byte; every refusal at its boundary."""
 import os
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
@@ -134,20 +136,26 @@ def regions(groups, device):
 
 # ---- the MLP block: TP and SP, its traffic and the bytes it keeps --------------------------------------------
 def mlp_runs(dense, x, dy, group):
+    """TP (False), SP on [s/tp, b, h] (True) and SP on batch-first [b, s/tp, h] ("bf", sequence_dim=1; its output
+    and dx handed back in [s, b, h] order, to compare)."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
     rows = slice(r * FFN // P, (r + 1) * FFN // P)
     shard = lambda k, t: t[:, rows] if k == "w2" else t[rows] if k in ("w1", "b1") else t
     runs = {"shard": shard}
-    for sp in (False, True):
+    for sp in (False, True, "bf"):
         p = {k: shard(k, v.detach()).clone().requires_grad_() for k, v in dense.items()}
         for k in ("ln_w", "ln_b", "b2"):
             p[k].sequence_parallel = True
-        xin = (x.chunk(P)[r] if sp else x).clone().requires_grad_()
+        seq = int(sp == "bf")
+        xin = (x.chunk(P)[r] if sp else x).movedim(0, seq).clone(memory_format=torch.contiguous_format)  # its own
+        xin.requires_grad_()                                                                            # storage
         with traffic() as fwd:
-            y, kept = kept_for_backward(lambda: m.mlp_block(xin, p, sp, group), p.values(), [xin])
+            y, kept = kept_for_backward(lambda: m.mlp_block(xin, p, bool(sp), group, sequence_dim=seq), p.values(),
+                                        [xin])
         with traffic() as bwd:
-            (y * strided(dy.chunk(P)[r] if sp else dy)).sum().backward()
-        runs[sp] = dict(p=p, x=xin, y=y, fwd=fwd, bwd=bwd, kept=kept)
+            (y * strided((dy.chunk(P)[r] if sp else dy).movedim(0, seq))).sum().backward()
+        runs[sp] = dict(p=p, x=SimpleNamespace(grad=xin.grad.movedim(seq, 0)), y=y.movedim(seq, 0), fwd=fwd, bwd=bwd,
+                        kept=kept)
     return runs
 
 
@@ -165,15 +173,23 @@ def mlp(groups, device):
     for group in groups:
         P, r, ranks = dist.get_world_size(group), dist.get_rank(group), members(group)
         runs = mlp_runs(dense, x, dy, group)
-        tp, sp, shard = runs[False], runs[True], runs["shard"]
+        tp, sp, bf, shard = runs[False], runs[True], runs["bf"], runs["shard"]
         torch.testing.assert_close(tp["y"], ref)
-        torch.testing.assert_close(sp["y"], tp["y"].chunk(P)[r])
         torch.testing.assert_close(tp["x"].grad, x_ref.grad)
-        torch.testing.assert_close(sp["x"].grad, tp["x"].grad.chunk(P)[r])
         for k in ("w1", "b1", "w2"):
             torch.testing.assert_close(tp["p"][k].grad, shard(k, dense[k].grad))
-            torch.testing.assert_close(sp["p"][k].grad, tp["p"][k].grad)        # fc1's dW in W.grad
-        assert not hasattr(sp["p"]["w1"], "main_grad")                           # the layer makes none itself
+        for run in (sp, bf):                                                     # [s/tp, b, h], [b, s/tp, h]
+            torch.testing.assert_close(run["y"], tp["y"].chunk(P)[r])
+            torch.testing.assert_close(run["x"].grad, tp["x"].grad.chunk(P)[r])
+            for k in ("w1", "b1", "w2"):
+                torch.testing.assert_close(run["p"][k].grad, tp["p"][k].grad)    # fc1's dW in W.grad
+                assert run["p"][k].grad.is_contiguous(), k
+            for k in ("ln_w", "ln_b", "b2"):                                     # partial sums, the same
+                torch.testing.assert_close(run["p"][k].grad, sp["p"][k].grad)
+            assert not hasattr(run["p"]["w1"], "main_grad")                      # the layer makes none itself
+        assert dict(bf["fwd"].counts) == dict(sp["fwd"].counts) and dict(bf["bwd"].counts) == dict(sp["bwd"].counts)
+        assert (sent(bf["fwd"], ranks), sent(bf["bwd"], ranks)) == (sent(sp["fwd"], ranks), sent(sp["bwd"], ranks))
+        assert bf["kept"] == sp["kept"], (bf["kept"], sp["kept"])   # LN's x; fc1 a copy of LN's out, not LN's out
         off = max((sp["p"][k].grad - dense[k].grad).abs().max().item() for k in ("ln_w", "ln_b", "b2"))
         assert P == 1 or off > 1e-3                                              # each rank saw s/tp rows
         b2 = sp["p"]["b2"]
@@ -200,6 +216,8 @@ def mlp(groups, device):
     log("MLP block: TP == SP == dense (output, dx, every grad), LN grads off before and exact after the all-reduce "
         "(fc2 bias's read from main_grad), unmarked params send nothing; TP and SP collectives and bytes == closed "
         "forms; kept for backward: TP LN + act, SP LN/tp + act, to the byte; world and sub-groups")
+    log("batch-first [b, s/tp, h] (sequence_dim=1) == [s/tp, b, h]: output, dx, every grad, the collectives, the "
+        "bytes sent and kept")
 
 
 # ---- the SP linear: in a plain model, and in a wrapper's main_grad handshake ------------------------------------
@@ -289,6 +307,30 @@ def linear(groups, device):
                 opt.step()
         torch.testing.assert_close([w_sp, b_sp], [w_d[rows], b_d[rows]])
         assert not torch.equal(w_sp, w[rows])
+    for group in groups:                                  # batch-first [b, s/tp, h]: sequence_dim=1, no transpose
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+        rows, xb, gb = slice(r * FFN // P, (r + 1) * FFN // P), x.transpose(0, 1).contiguous(), g_out.transpose(0, 1)
+        plain = [t.clone().requires_grad_() for t in (xb.chunk(P, 1)[r], w[rows], b[rows])]
+        (F.linear(m.gather_from_sequence_parallel_region(plain[0], group, dim=1), *plain[1:]) * gb[..., rows]).sum() \
+            .backward()                                                    # the region along dim 1, and autograd
+        mine = [t.detach().clone().requires_grad_() for t in plain]
+        for _ in range(2):                                                 # 2 micro-batches, accumulated in .grad
+            y, kept = kept_for_backward(lambda: m.LinearWithSequenceParallel.apply(*mine, group, True, 1), mine[1:],
+                                        mine[:1])
+            assert y.shape == (B, S, FFN // P) and kept == 2 * mine[0].nbytes, kept   # its [s/tp, b, h] copy, and
+            (y * strided(gb[..., rows])).sum().backward()                             # not the caller's slice
+        torch.testing.assert_close([t.grad for t in mine], [2 * t.grad for t in plain])
+        assert mine[1].grad.is_contiguous() and mine[0].grad.shape == plain[0].shape
+    z, lin = torch.zeros(B, 2, H, **f64), lambda t, dim: m.LinearWithSequenceParallel.apply(t, w, None, None, True, dim)
+    for good, bad in ((1, 2), (0, -1)):                 # 0, 1 of a 3-dim x pass; 2 (its features), -1 are refused
+        lin(z, good)
+        rejected(lambda: lin(z, bad), f"sequence_dim={bad} is not a dim of x {tuple(z.shape)} before its features")
+    for bad in ("1", True, 1.0):
+        rejected(lambda: lin(z, bad), f"sequence_dim={bad!r} is not a dim of x")
+    p = {k: torch.ones(n, **f64) for k, n in (("ln_w", H), ("ln_b", H), ("b1", FFN), ("b2", H))}
+    p["w1"], p["w2"] = w, w.t()
+    m.mlp_block(z, p, True, sequence_dim=1)
+    rejected(lambda: m.mlp_block(z, p, True, sequence_dim=2), f"sequence_dim=2 is not a dim of x {tuple(z.shape)}")
     W, Rk = dist.get_world_size(), dist.get_rank()
     xs, w16 = x.chunk(W)[Rk].bfloat16(), w.bfloat16().requires_grad_()      # bf16: W.grad bf16, no main_grad
     m.LinearWithSequenceParallel.apply(xs, w16).sum().backward()
@@ -301,6 +343,9 @@ def linear(groups, device):
     torch.testing.assert_close(w16.main_grad.double(), want, rtol=1e-6, atol=1e-4)   # summed in fp32
     log("SP linear: dW in W.grad == gather region + autograd over 2 micro-batches (also under saved-tensor hooks), "
         "contiguous, no main_grad made; fusion=False on a 4-d x; kept: its [s/tp, b, h] slice, to the byte")
+    log("batch-first x [b, s/tp, h] (sequence_dim=1) == the region along dim 1 + autograd, 2 micro-batches, world and "
+        "sub-group; it keeps a [s/tp, b, h] copy, not x; sequence_dim 2 (x's features), -1, '1', True, 1.0 refused "
+        "(0 and 1 pass), by mlp_block too")
     log("torch.optim.SGD with momentum on the pasted layer moves W's rows as on the dense layer; bf16 W: W.grad bf16; "
         "with a wrapper's fp32 main_grad: summed in fp32")
     log("handshake (a bucket's main_grad, grad_added_to_main_grad = False): the hook fires once a backward and drops "

@@ -1,10 +1,11 @@
 # 05's blocks pasted alone, inside the user's nanoGPT-style GPT (tests/nanogpt.py): every Block's attention becomes
 # ParallelSelfAttention.from_dense(attn) (its fused c_attn sharded by heads, batch-first) and its MLP
-# parallel_mlp((c_fc, gelu, c_proj)), over all ranks, TP and then SP. Under SP each rank runs the embeddings, the
-# LayerNorms, the residuals, ln_f and the tied head on its own T/p positions (GPT.forward(pos=...)), the loss is
-# summed over the ranks' tokens, and every replicated parameter's gradient (a partial sum) is summed by
-# allreduce_sequence_parallel_grads. Checked against the dense GPT in one process, float64: the loss, every
-# gradient (this rank's shard), and the parameters after one step of nanoGPT's own AdamW (configure_optimizers).
+# parallel_mlp((c_fc, gelu, c_proj), sequence_dim=1), both on the model's [B, T, C] as it is (no transpose), over
+# all ranks, TP and then SP. Under SP each rank runs the embeddings, the LayerNorms, the residuals, ln_f and the tied
+# head on its own T/p positions (GPT.forward(pos=...)), the loss is summed over the ranks' tokens, and every
+# replicated parameter's gradient (a partial sum) is summed by allreduce_sequence_parallel_grads. Checked against
+# the dense GPT in one process, float64: the loss, every gradient (this rank's shard), and the parameters after one
+# step of nanoGPT's own AdamW (configure_optimizers).
 from tests.nanogpt import GPT, GPTConfig
 
 # the PASTED check this file replaces: a column layer with gather_output == its nn.Linear
@@ -12,16 +13,6 @@ dense = torch.nn.Linear(6, 4 * world, dtype=torch.float64)
 col = m.ColumnParallelLinear.from_dense(dense, gather_output=True)
 x = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 torch.testing.assert_close(col(x), dense(x))
-
-
-class SeqFirst(nn.Module):
-    """The user's one call around a sequence-first block (parallel_mlp under SP) in a batch-first model."""
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x.transpose(0, 1)).transpose(0, 1)
 
 
 cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
@@ -45,8 +36,7 @@ def shard(name, grad):
 
 
 # the parallel model's parameter names, in the dense model's terms
-rename = {"attn.qkv.": "attn.c_attn.", "attn.proj.": "attn.c_proj.", "mlp.0.": "mlp.c_fc.", "mlp.2.": "mlp.c_proj.",
-          "mlp.inner.0.": "mlp.c_fc.", "mlp.inner.2.": "mlp.c_proj."}
+rename = {"attn.qkv.": "attn.c_attn.", "attn.proj.": "attn.c_proj.", "mlp.0.": "mlp.c_fc.", "mlp.2.": "mlp.c_proj."}
 
 
 def dense_name(name):
@@ -62,8 +52,7 @@ for sp in (False, True):
     model.load_state_dict(dense.state_dict())
     for blk in model.transformer.h:                               # the user's blocks, replaced in place
         blk.attn = m.ParallelSelfAttention.from_dense(blk.attn, sequence_parallel=sp)
-        mlp = m.parallel_mlp((blk.mlp.c_fc, blk.mlp.gelu, blk.mlp.c_proj), sequence_parallel=sp)
-        blk.mlp = SeqFirst(mlp) if sp else mlp
+        blk.mlp = m.parallel_mlp((blk.mlp.c_fc, blk.mlp.gelu, blk.mlp.c_proj), sequence_parallel=sp, sequence_dim=1)
     assert len(list(model.parameters())) == len(list(dense.parameters()))
     opt_dense = dense.configure_optimizers(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95))
     opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95))
@@ -92,7 +81,7 @@ for sp in (False, True):
         torch.testing.assert_close(p.grad, shard(dense_name(name), dense_params[dense_name(name)].grad), msg=name)
         assert p.grad.is_contiguous(), name
 
-    fc1 = model.transformer.h[0].mlp.inner[0] if sp else model.transformer.h[0].mlp[0]
+    fc1 = model.transformer.h[0].mlp[0]
     before = fc1.weight.detach().clone()
     opt.step()
     opt_dense.step()
