@@ -77,10 +77,13 @@ class Bucket:
 
     flat    their values: each parameter p is the view flat[p._dp_slice]  shard  rank r's [r*numel/W, (r+1)*numel/W)
     grad    this rank's gradient sum since the last reduction (fp32, or wider), made by the first gradient after
-            one (p.main_grad is p's view of it), handed on by the reduction; None in between
+            one (p.main_grad is p's view of it), handed on by the reduction; None in between. blank: its slices
+            not yet written (each zeroed when first read, or taking p's first gradient as is; the rest before the
+            reduction)
     local   what this rank steps, in the parameters' dtype: flat (DDP) or its shard (ZeRO)
     opt     the tensor the optimizer steps (its .grad: the reduced gradient): local, or an fp32 master copy of it
     work    the reduction in flight, or None;  ready: how many of its gradients this synced backward brought
+    gathering  ZeRO: the all-gather of flat in flight, or None (its parameters point at `nan` until it lands)
     """
 
     def __init__(self, index, params, world, rank):
@@ -95,7 +98,8 @@ class Bucket:
             self.flat[p._dp_slice].copy_(p.detach().flatten())
             p.data = self.flat[p._dp_slice].view_as(p)  # p stays the same nn.Parameter (its hooks, its optimizer)
             start += p.numel()
-        self.grad, self.work, self.ready = None, None, 0
+        self.used, self.grad, self.work, self.ready, self.gathering = start, None, None, 0, None
+        self.nan = torch.full((1,), float("nan"), dtype=self.flat.dtype, device=self.flat.device)
 
 
 class _WrappedParameter(nn.Parameter):
@@ -120,7 +124,8 @@ class DDP(nn.Module):
     """Data parallelism in buckets: every rank holds everything; gradients are all-reduced bucket by bucket.
 
         optimizer = torch.optim.AdamW(module.parameters(), lr=...)  # yours, any parameter groups (nanoGPT's)
-        model = DDP(module, optimizer, group=None, bucket_cap_mb=25, overlap=True)   # ZeRO2, ZeRO3 alike
+        model = DDP(module, optimizer, group=None, bucket_cap_mb=25, overlap=True)   # ZeRO2, ZeRO3 alike; torch's
+        #   names too: process_group (group), device_ids=[i] and output_device=i (the module's device alone)
         for i, (x, y) in enumerate(micro_batches):
             model.require_backward_grad_sync = i == len(micro_batches) - 1   # or `with model.no_sync():`
             loss_fn(model(x), y).div(len(micro_batches)).backward()   # a synced backward reduces full buckets as
@@ -143,10 +148,13 @@ class DDP(nn.Module):
     """
     sharded = False  # ZeRO: each rank keeps, and steps, only its shard of every bucket
 
-    def __init__(self, module, optimizer, group=None, bucket_cap_mb=25, overlap=True):
+    def __init__(self, module, optimizer, group=None, bucket_cap_mb=25, overlap=True, *, process_group=None,
+                 device_ids=None, output_device=None, find_unused_parameters=False):
         super().__init__()
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # the order backward produces them in
         self._names = {id(p): n for n, p in module.named_parameters()}
+        group = _torch_names(params, group, process_group, device_ids, output_device, find_unused_parameters)
+        bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb  # (torch's default, None, is 25 MiB)
         _check_arguments(module, optimizer, params, self._names, bucket_cap_mb)
         self.module, self.group, self.overlap = module, group, overlap
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -166,6 +174,7 @@ class DDP(nn.Module):
         for g, options in enumerate(optimizer.param_groups):  # your optimizer now steps the buckets' tensors
             options["params"] = [b.opt for (h, _), b in zip(runs, self.buckets) if h == g]
         optimizer.register_step_pre_hook(lambda *_: self._unreduced("optimizer.step()"))
+        optimizer.register_step_pre_hook(self._land)
         optimizer.register_step_post_hook(self._after_step)
         optimizer.register_state_dict_post_hook(self._save_extras)
         optimizer.register_load_state_dict_pre_hook(self._load_extras)
@@ -190,17 +199,22 @@ class DDP(nn.Module):
             self.require_backward_grad_sync = before
 
     # -- gradients: hooks fill the buckets, a full bucket starts reducing, the optimizer gets the mean ------------
-    def _main_grad(self, p):
+    def _main_grad(self, p, first=None):
+        """p's view of its bucket's gradient sum, zeroed when first read, or given `first` (adding it later)."""
         b = p._dp_bucket
-        if b.grad is None:  # the first gradient since the last reduction: a zeroed sum (the padding stays 0)
-            b.grad = torch.zeros(b.numel, dtype=b.opt.dtype, device=b.flat.device)
-        return b.grad[p._dp_slice].view(p.shape)
+        if b.grad is None:  # the first gradient since the last reduction: not zeroed, each slice is written first
+            b.grad, b.blank = torch.empty(b.numel, dtype=b.opt.dtype, device=b.flat.device), {id(q) for q in b.params}
+        view = b.grad[p._dp_slice].view(p.shape)
+        if id(p) not in b.blank:
+            return view if first is None else view.add_(first)
+        b.blank.remove(id(p))
+        return view.zero_() if first is None else view.copy_(first)
 
     def _on_grad(self, b, p):
         """p's post-accumulate-grad hook: autograd's p.grad joins b's sum; in a synced backward full buckets start
         reducing, in bucket order (every rank issues the same sequence of collectives)."""
         if not p.grad_added_to_main_grad or getattr(p, "zero_out_wgrad", False):
-            p.main_grad.add_(p.grad)  # (else a fused layer added dW itself: p.grad is its placeholder, dropped)
+            self._main_grad(p, p.grad)  # (else a fused layer added dW itself: p.grad is its placeholder, dropped)
         p.grad, p.grad_added_to_main_grad = None, False
         if self.require_backward_grad_sync:
             if not self._queued:  # when this backward ends: reduce the rest, wait for all (as torch's DDP does)
@@ -213,13 +227,20 @@ class DDP(nn.Module):
                 self._next += 1
 
     def _reduce(self, b):
-        """Start summing b's gradient over the group (async)."""
-        b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
+        """Start summing b's gradient over the group (async), divided by W first (torch DDP's order): the mean."""
+        b.work = dist.all_reduce(self._filled(b).div_(self.world), group=self.group, async_op=True)
+
+    def _filled(self, b):
+        """b.grad, its slices no gradient reached and its padding zeroed (a zero gradient for those)."""
+        for q in (q for q in b.params if id(q) in b.blank):
+            self._main_grad(q)
+        b.grad[b.used:].zero_()
+        return b.grad
 
     def _finish(self, b):
         """Wait for b's reduction and hand the group's mean gradient to the optimizer's tensor."""
         b.work.wait()
-        self._hand_over(b, b.grad.div_(self.world))
+        self._hand_over(b, b.grad)
 
     def _hand_over(self, b, mean):
         b.opt.grad = mean if b.opt.grad is None else b.opt.grad.add_(mean)  # added, as autograd adds into .grad
@@ -288,10 +309,23 @@ class DDP(nn.Module):
     @contextlib.contextmanager
     def gathered(self):
         """Every parameter full, readable and writable inside (ZeRO-3: a collective); writes reach the master."""
+        self._land()
         try:
             yield
         finally:
             self._masters_follow()
+
+    def _land(self, *_):
+        for b in self.buckets:  # (ZeRO-2's gathers in flight)
+            self._wait(b)
+
+    def _wait(self, b):
+        """b's all-gather in flight (ZeRO) lands: its parameters are views of the gathered values again."""
+        if b.gathering is not None:
+            b.gathering.wait()
+            b.gathering = None
+            for p in b.params:
+                p.data = b.flat[p._dp_slice].view(p.shape)
 
     def _masters_follow(self):
         for b in self.buckets:  # a master that no longer rounds to its parameters takes their (written) values
@@ -300,7 +334,7 @@ class DDP(nn.Module):
 
     def state_dict(self, *args, **kwargs):
         """The module's state_dict: its own names, every value full (DDP, ZeRO-2: the tensors themselves)."""
-        return self.module.state_dict(*args, **kwargs)
+        return self.module.state_dict(*args, **kwargs)  # (ZeRO-2: its pre-hook lands the gathers)
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """A full state_dict (the module's names, saved at any world size), the same on every rank of the group;
@@ -365,6 +399,32 @@ def _check_arguments(module, optimizer, params, names, bucket_cap_mb):
         raise ValueError(f"{missing[0]} is in no parameter group of the optimizer: give it every trainable parameter")
 
 
+def _torch_names(params, group, process_group, device_ids, output_device, find_unused_parameters):
+    """torch DDP's names for what ours does: process_group is group; device_ids=[i] and output_device=i may name
+    the module's device only (the module is not moved, its output stays there). Returns the group."""
+    if group is not None and process_group is not None:
+        raise ValueError("group= and process_group= both given: they name the same group (torch's name is "
+                         "process_group); give one")
+    device = params[0].device if params else torch.device("cpu")
+
+    def same(d):  # d names the module's device (an int: an index of its type, as torch's device_ids)
+        try:
+            return torch.device(device.type, d) == device if type(d) is int else torch.device(d) == device
+        except (TypeError, RuntimeError):
+            return False
+    if device_ids is not None and not (isinstance(device_ids, (list, tuple)) and len(device_ids) == 1
+                                       and same(device_ids[0])):
+        raise ValueError(f"device_ids={device_ids!r}: the module's parameters are on {device}; move the module "
+                         f"to the device first and give [its index] (torch's [local_rank]), or leave it out (CPU)")
+    if output_device is not None and not same(output_device):
+        raise ValueError(f"output_device={output_device!r}: the output stays on the module's device ({device}); "
+                         f"leave output_device out")
+    if find_unused_parameters is not False:
+        raise ValueError(f"find_unused_parameters={find_unused_parameters!r} is not honoured: every rank's backward "
+                         f"must reach the same parameters (set requires_grad=False on those forward never uses)")
+    return process_group if group is None else group
+
+
 def _check_same_on_every_rank(module, group, world):
     """Refuse, on every rank in one line, a module whose names, shapes or dtypes differ across ranks (as torch DDP)."""
     mine = [(n, list(t.shape), str(t.dtype)) for n, t in (*module.named_parameters(), *module.named_buffers())]
@@ -379,19 +439,43 @@ def _check_same_on_every_rank(module, group, world):
 
 class ZeRO2(DDP):
     """DDP whose gradients are reduce-scattered: rank r keeps and steps only its shard of each bucket (gradient,
-    optimizer state, fp32 master), then all-gathers the new parameters, inside optimizer.step() (the next forward
-    does not overlap that all-gather: the price of never reading a parameter that is still arriving)."""
+    optimizer state, fp32 master), then all-gathers the new parameters: optimizer.step() starts one all-gather a
+    bucket, in forward order, and the next forward overlaps them (DeepSpeed's overlap_comm). A module never reads a
+    bucket still arriving: its forward pre-hook waits for the buckets of the parameters it owns; the parameters of a
+    bucket in flight point at one NaN. model.state_dict(), the module's state_dict(), gathered() and the next
+    step wait for all (a parameter read elsewhere before forward reads NaN)."""
     sharded = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._users = []  # (module, the buckets it reads): a module owning parameters may read its children's too
+        for m in self.module.modules():  # (nn.MultiheadAttention)
+            owned = {id(p) for p in m.parameters()} if next(m.parameters(recurse=False), None) is not None else ()
+            needs = [b for b in self.buckets[::-1] if any(id(p) in owned for p in b.params)]  # in forward order
+            if needs:
+                m.register_forward_pre_hook(functools.partial(self._before_forward, needs))
+                self._users.append((m, needs))
+        self.module.register_state_dict_pre_hook(self._land)
+
+    def _before_forward(self, needs, module, args):
+        for b in needs:
+            self._wait(b)
+
+    def _start_gather(self, b):
+        """All-gather b's values from every rank's shard (async); its parameters point at one NaN until it lands."""
+        for p in b.params:
+            p.data = b.nan.expand(p.shape)
+        b.gathering = all_gather_single(b.flat, b.local, group=self.group, async_op=True)
 
     def _local(self, b):
         return b.flat[b.shard]  # this rank steps its shard of the parameters, in place
 
     def _reduce(self, b):
-        for other in self.buckets:  # the full-size gradient of two buckets at most: finish the one before
-            if other.work is not None:
-                self._finish(other)
         b.out = torch.empty_like(b.opt)  # this rank's shard of the sum
-        b.work = reduce_scatter_single(b.out, b.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        b.work = reduce_scatter_single(b.out, self._filled(b), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        for other in self.buckets:  # the full-size gradient of two buckets at most: finish the one before
+            if other is not b and other.work is not None:
+                self._finish(other)
 
     def _finish(self, b):
         b.work.wait()
@@ -400,8 +484,8 @@ class ZeRO2(DDP):
 
     def _after_step(self, *args):
         super()._after_step(*args)
-        for b in self.buckets:  # every rank's new shard to every rank
-            all_gather_single(b.flat, b.local, group=self.group)
+        for b in self.buckets[::-1]:  # every rank's new shard to every rank, in forward order
+            self._start_gather(b)
 
 
 class ZeRO3(ZeRO2):
@@ -414,20 +498,16 @@ class ZeRO3(ZeRO2):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for b in self.buckets:
-            b.users, b.ran, b.arrived = 0, 0, 0  # modules that use b; those that ran this forward; gradients in
-            b.nan = torch.full((1,), float("nan"), dtype=b.flat.dtype, device=b.flat.device)
+        for b in self.buckets:  # modules that use b; those that ran this forward; gradients in; done this forward;
+            b.users, b.ran, b.arrived, b.done, b.pending = 0, 0, 0, False, False  # saved for a backward not yet run
             self._free(b)
-        for m in self.module.modules():  # a module that owns parameters may read its children's (nn.MultiheadAttention)
-            owned = {id(p) for p in m.parameters()} if next(m.parameters(recurse=False), None) is not None else ()
-            needs = [b for b in self.buckets if any(id(p) in owned for p in b.params)]
-            if needs:
-                m.register_forward_pre_hook(functools.partial(self._before_forward, needs))
-                m.register_forward_hook(functools.partial(self._after_forward, needs), always_call=True)
-                for b in needs:
-                    b.users += 1
+        for m, needs in self._users:
+            m.register_forward_hook(functools.partial(self._after_forward, needs), always_call=True)
+            for b in needs:
+                b.users += 1
         self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self.module.register_forward_pre_hook(lambda *_: self._saving.__enter__())
+        self._seq, self._prev = {"f": [], "b": []}, {"f": [], "b": []}  # buckets in order of first use: this pass, last
+        self.module.register_forward_pre_hook(self._start_forward)
         self.module.register_forward_hook(self._end_forward, always_call=True)
         self.module.register_state_dict_pre_hook(self._refuse_raw_read)
 
@@ -437,38 +517,59 @@ class ZeRO3(ZeRO2):
     def _gathered(self, b):
         return b.flat.untyped_storage().nbytes() > 0
 
+    def _start_gather(self, b):
+        if not self._gathered(b):  # (else gathered, or on its way)
+            b.flat.untyped_storage().resize_(b.numel * b.flat.element_size())
+            super()._start_gather(b)
+
     def _gather(self, b):
         """b's full values from every rank's shard (a collective); its parameters become views of them again."""
-        if not self._gathered(b):
-            b.flat.untyped_storage().resize_(b.numel * b.flat.element_size())
-            all_gather_single(b.flat, b.local, group=self.group)
-            for p in b.params:
-                p.data = b.flat[p._dp_slice].view(p.shape)
+        self._start_gather(b)
+        self._wait(b)
+
+    def _use(self, b, phase, fits):
+        """b gathered now. If this forward or backward (phase) uses b first, the bucket the last one used first
+        next starts gathering, if it `fits` (FSDP2's prefetch: one bucket ahead, its all-gather beside b's use)."""
+        self._gather(b)
+        seq, prev = self._seq[phase], self._prev[phase]
+        if b.index not in seq:
+            seq.append(b.index)
+            if self.overlap and len(seq) < len(prev) and fits(self.buckets[prev[len(seq)]]):
+                self._start_gather(self.buckets[prev[len(seq)]])
+
+    def _new_pass(self, phase):
+        self._prev[phase], self._seq[phase] = self._seq[phase] or self._prev[phase], []
 
     def _free(self, b):
         """b's full values are dropped (what autograd saved of them too: the storage shrinks to 0 bytes)."""
+        self._wait(b)  # (a prefetch in flight lands first)
         b.flat.untyped_storage().resize_(0)
         for p in b.params:
             p.data = b.nan.expand(p.shape)
 
     # -- forward: gather before a module, free after the last module using the bucket -----------------------------
+    def _start_forward(self, *_):
+        self._saving.__enter__()
+        self._new_pass("f")
+
     def _before_forward(self, needs, module, args):
         self._saving.__enter__()  # (the module's own too: run alone, as a pipeline's W may run it again)
         for b in needs:
-            self._gather(b)
+            self._use(b, "f", lambda c: not c.done)  # (prefetch one this forward will use)
 
     def _after_forward(self, needs, module, args, out):
         self._saving.__exit__(None, None, None)
         for b in needs:
             b.ran += 1
             if b.ran == b.users:  # every module that uses b has run (a tied weight's: both)
-                b.ran = 0
+                b.ran, b.done = 0, True
                 self._free(b)
 
     def _end_forward(self, module, args, out):
         self._saving.__exit__(None, None, None)
+        self._new_pass("b")
         for b in self.buckets:  # (a module that did not run leaves its buckets' count short)
-            b.ran = 0
+            b.ran, b.done = 0, False
             self._free(b)
 
     # -- backward: autograd's saved tensors say which buckets it reads; free a bucket once its gradients are in --
@@ -478,26 +579,28 @@ class ZeRO3(ZeRO2):
             raise RuntimeError("ZeRO3: a parameter was used in forward after the modules that own it ran (freed); "
                                "assign the Parameter to the module that uses it too (lm_head.weight = wte.weight)")
         b = next((b for b in self.buckets if self._gathered(b) and ptr == b.flat.untyped_storage().data_ptr()), None)
+        if b is not None:
+            b.pending = True
         return b, t.detach()  # t's bucket, if t is (a view of) parameters
 
     def _unpack(self, saved):
         b, t = saved
         if b is not None:
-            self._gather(b)  # backward reads b's values: gathered again
+            self._use(b, "b", lambda c: c.pending)  # backward reads b's values: gathered again
         return t
 
     def _on_grad(self, b, p):
         super()._on_grad(b, p)
         b.arrived += 1
         if b.arrived == len(b.params):  # every gradient of b is in: backward is done with its values
-            b.arrived = 0
+            b.arrived, b.pending = 0, False
             self._free(b)
 
     # -- the step, reading, checkpoints ----------------------------------------------------------------------
     def _after_step(self, *args):
         DDP._after_step(self, *args)  # not ZeRO-2's all-gather: each bucket is gathered where it is next used
         for b in self.buckets:  # (one gathered by a backward that left a parameter without gradient)
-            b.arrived = 0
+            b.arrived, b.pending = 0, False
             self._free(b)
 
     @contextlib.contextmanager

@@ -357,8 +357,9 @@ def overlap(rank, W, device):
 def bytes_held(rank, W, device):
     head("5. Bytes held per rank (float64, AdamW), measured; buckets of 10 gradients or more")
     got, peaks, kept = {}, {}, {}
-    for cls in CLASSES:
-        model, optimizer = wrap(cls, tied_lm(device), cap=mb(10))
+    for cls in (*CLASSES, "ZeRO3 without prefetch"):
+        model, optimizer = wrap(ZeRO3, tied_lm(device), cap=mb(10), overlap=False) if type(cls) is str else \
+            wrap(cls, tied_lm(device), cap=mb(10))
         seen = []
 
         def measure(*_):
@@ -394,17 +395,20 @@ def bytes_held(rank, W, device):
     assert all(k == 0 for k in kept.values()), kept
     for cls in (ZeRO2, ZeRO3):  # the full-size gradient of two adjacent buckets at most, during backward
         assert max(g for _, g in peaks[cls]) <= two < V, (cls.__name__, two, peaks[cls])
-    # ZeRO-3's gathered parameters: the tied bucket between its two uses, plus the buckets of the module running
+    # ZeRO-3's gathered parameters: the tied bucket between its two uses, plus the buckets of the module running,
+    # plus one bucket prefetched (the next one the last forward or backward used first); without prefetch, not that
     tied = next(b for b in model.buckets if any(p is model.module.emb.weight for p in b.params))
     per_module = max(sum(b.numel * 8 for b in model.buckets if any(p is q for p in b.params for q in mod.parameters()))
                      for mod in model.module.modules() if next(mod.parameters(recurse=False), None) is not None
                      and mod is not model.module)
-    peak = max(p for p, _ in peaks[ZeRO3])
-    assert peak <= tied.numel * 8 + per_module < V and all(p == V for p, _ in peaks[ZeRO2]), (peak, per_module, V)
+    ahead = max(b.numel * 8 for b in model.buckets if b is not tied)
+    peak, alone = (max(p for p, _ in peaks[k]) for k in (ZeRO3, "ZeRO3 without prefetch"))
+    assert alone <= tied.numel * 8 + per_module < V and all(p == V for p, _ in peaks[ZeRO2]), (alone, per_module, V)
+    assert alone < peak <= tied.numel * 8 + per_module + ahead, (peak, alone, per_module, ahead)
     for cls in CLASSES:
         log(f"{cls.__name__:6} parameters {got[cls][0]:5} + gradients {got[cls][1]:5} + state {got[cls][2]:5} B")
     log(f"a step keeps 0 B; ZeRO's full-size gradients <= two adjacent buckets ({two} B of {V}); ZeRO-3's gathered "
-        f"parameters peak at {peak} B (the tied bucket + a module's)")
+        f"parameters peak at {peak} B (the tied bucket + a module's + one prefetched), {alone} B without prefetch")
 
 
 # ---- 6. bf16 parameters ------------------------------------------------------------------------------------------
