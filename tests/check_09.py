@@ -20,6 +20,8 @@
   module refused, a layer without gradient stepped with zeros, nn.MultiheadAttention (a parent reading its child);
 - every wrapper state: step twice without backward, p.grad under no_sync / overlap=False / after sync, step and
   clip after no_sync refused, sync_gradients() then step; 08's ZB-H1 weight gradients (a stand-in);
+- torch DDP's names accepted where they mean ours (device_ids=[the module's device], output_device, process_group,
+  bucket_cap_mb=None, find_unused_parameters=False), the rest refused;
 - refusals at their boundaries, one line on every rank: arguments, optimizer groups, modules differing across
   ranks, load_state_dict (keys, shape, dtype; buffers load), optimizer state (wrapper, world, rank, dtype, buckets);
 - checkpoints on the world and on sub-groups; CKPT=DIR CKPT_PHASE=save|load splits them over two launches.
@@ -765,6 +767,38 @@ def refusals(rank, W, device):
     said.append(one_line(lambda: DDP(net, stateful), starts="the optimizer holds state already"))
     wrapped, _ = wrap(ZeRO2, net)
     said.append(one_line(lambda: DDP(net, adamw(net)), starts="head.bias is a _WrappedParameter, not a plain nn.Parameter"))
+    # torch DDP's names: accepted where they mean ours (the module's device, its group, 25 MiB), else refused
+    for cls in CLASSES:
+        net = tied_lm(device)
+        mine = [device, str(device)] + ([device.index] if device.index is not None else [])
+        for d in mine:
+            model = cls(net, adamw(net), device_ids=[d], output_device=d, find_unused_parameters=False,
+                        bucket_cap_mb=None)
+            assert len(model.buckets) == 2 and model.group is None, (d, len(model.buckets))  # 25 MiB: a group each
+            net = tied_lm(device)
+        for (g, ranks) in strided_groups():
+            if rank in ranks:
+                model = cls(net, adamw(net), process_group=g)
+                assert (model.group, model.world, model.rank) == (g, len(ranks), ranks.index(rank))
+        net, g = tied_lm(device), strided_groups()[rank % 2 if W > 1 else 0][0]
+        other = "meta" if device.type != "meta" else "cpu"
+        for kw, starts in ((dict(group=None, process_group=None, device_ids=None), None),  # the defaults pass below
+                           (dict(group=g, process_group=g), "group= and process_group= both given"),
+                           (dict(device_ids=[0]) if device.index is None else dict(device_ids=[device.index + 1]),
+                            "device_ids=["),
+                           (dict(device_ids=[other]), f"device_ids=['{other}']: the module's parameters are on"),
+                           (dict(device_ids=[device, device]), "device_ids=["),
+                           (dict(device_ids=device), "device_ids="),
+                           (dict(device_ids=[True]), "device_ids=[True]"),
+                           (dict(output_device=other), f"output_device='{other}': the output stays on"),
+                           (dict(output_device=1 if device.index is None else device.index + 1), "output_device=1"
+                            if device.index is None else "output_device="),
+                           (dict(find_unused_parameters=True), "find_unused_parameters=True is not honoured")):
+            if starts is None:
+                assert cls(net, adamw(net), **kw).group is None
+                net = tied_lm(device)
+            else:
+                said.append(one_line(lambda: cls(net, adamw(net), **kw), starts=starts))
     # load_state_dict: keys, shapes, dtypes; buffers load
     model, optimizer = wrap(ZeRO3, tied_lm(device))
     good = model.state_dict()
@@ -823,7 +857,7 @@ def refusals(rank, W, device):
                 f"{W - 1} has ('weight', [5, 4], 'torch.float64'); build the same model on every rank")
         assert differs == want, differs
         said.append(differs)
-    for line in said[:2] + said[5:8] + said[-1:]:
+    for line in said[:2] + said[5:8] + said[8:9] + said[16:17] + said[-1:]:
         log(line if len(line) <= 114 else line[:line.rfind(" ", 0, 111)] + " ...")
     log(f"... {len(said)} in all, each one line before any message (the module check: after its one all-gather)")
 
