@@ -10,9 +10,10 @@
   starting each bucket's reduction once; overlap: a reduction runs before backward's last gradient, and not
   with overlap=False (bit-equal);
 - bytes held == the closed forms; a step keeps 0 B; ZeRO's full-size gradients two adjacent buckets at most;
-  ZeRO-3's gathered parameters at most the running modules' buckets, 0 B before the first forward, a module run
-  twice or skipped freed, a layer run alone gathered again by its backward, a zero-size saved tensor not
-  mistaken for a freed bucket;
+  ZeRO-2's all-gathers in flight after a step (NaN), landed by forward (== one process); ZeRO-3's gathered
+  parameters at most the running modules' buckets and one prefetched (without prefetch: not that one), 0 B
+  before the first forward, a module run twice or skipped freed, a layer run alone gathered again by its
+  backward, a zero-size saved tensor not mistaken for a freed bucket;
 - bf16: fp32 masters and gradients, gathers in bf16, within 2^-6 of one process; gathered() writes reach the
   master; resume from optimizer.state_dict() bit-equal (the masters ride in it);
 - Megatron's main_grad handshake (fused, tied zero_out_wgrad) with no_sync and with every micro-batch reducing;
@@ -672,6 +673,12 @@ def states(rank, W, device):
                 opt.step()
                 optimizer.step()
                 close(model.state_dict(), ref.state_dict(), f"{cls.__name__} step {twice}", rtol=1e-10, atol=1e-12)
+            if cls is ZeRO2:  # a step leaves its all-gathers in flight, the parameters at NaN; forward waits for them
+                opt.step()
+                optimizer.step()
+                assert all(b.gathering is not None for b in model.buckets) and w.isnan().all()
+                torch.testing.assert_close(model(ids), ref(ids), rtol=1e-10, atol=1e-12)
+                assert all(b.gathering is None for b in model.buckets) and not w.isnan().any()
             optimizer.zero_grad(set_to_none=True)
             opt.zero_grad(set_to_none=True)
             optimizer.step()  # no gradient at all: nothing moves (torch skips a .grad of None)
