@@ -14,6 +14,11 @@
   micro-batches, then the reduced shard), AdamW's state and fp32 masters, activations min(pp - p, m) x one.
 - fewer K/V heads than TP ranks (tp = W, W/2 K/V heads, each on 2 ranks: 05's replication): one stage's loss
   and every gradient slice == one process, at 2, 4 and 8 ranks.
+- 5D (a Llama-MoE: 6 SwiGLU experts top-2 + a shared one): cp 2 x ep 2 (ZeRO-3, untied) at 2 ranks, dp 2 x cp 2,
+  ep 2 (edp 2) at 4, dp 2 x cp 2 x tp 2, ep 2 (ZeRO-3) at 8: before ZeRO's reduction every gradient's mean over
+  its group (dense: dp x cp; experts: edp, after / ep) == one process's; 10's run: the losses, every parameter,
+  one step's traffic (ring K/V, all-to-alls) == the closed forms; stage_numel (dense + experts) == the model's;
+  refusals: ep not dividing dp x cp, the sequence not dividing 2 cp tp, 6 experts over ep 4.
 The joint runs at 3 and 4 ranks (dp 3; tp 2 x dp 2), the rest at every world size. GRID=dpxppxtp trains that grid
 alone (float64, ZeRO-2, tied; refused in one line if it does not fit).
 """
@@ -120,7 +125,7 @@ def grids(world):
         for shape in fitting_grids(world):
             grid = ten.Grid(*shape)
             layout_is_right(grid, {k: list(getattr(grid, k)) for k in grid.ranks if getattr(grid, k) is not None})
-            assert shape not in WRITTEN or grid.ranks == WRITTEN[shape], (shape, grid.ranks)
+            assert shape not in WRITTEN or {k: grid.ranks[k] for k in WRITTEN[shape]} == WRITTEN[shape], grid.ranks
             made.append(shape)
     finally:
         dist.new_group = real_new_group
@@ -368,13 +373,73 @@ def train_on(shape, zero, tied, dtype, device):
         + f"; bytes held == step_memory" + (f" (activations: {k} x {kept[0]} on rank 0)" if kept else ""))
 
 
+# ---- 5D: context and expert parallelism with the rest, a Llama-MoE -------------------------------------------------
+FIVE_D = {2: [(dict(dp=1, pp=1, cp=2, tp=1, ep=2), 3, 0)], 4: [(dict(dp=2, pp=1, cp=2, tp=1, ep=2), 2, 1)],
+          8: [(dict(dp=2, pp=1, cp=2, tp=2, ep=2), 3, 0)]}          # (grid, zero, tied); the lesson: pp2 x cp2 x tp2
+
+
+def five_d_refusals(world):
+    """Grid's, train_step's and the mixture's refusals at their boundaries, before any collective."""
+    head("5D refusals: ep not dividing dp x cp, the sequence not dividing 2 cp tp, experts not dividing ep")
+    assert refused(lambda: ten.Grid(world, 1, 1, ep=world + 1)) == f"ep={world + 1} does not divide dp x cp = " \
+        f"{world} (experts spread over the data ranks)"
+    assert refused(lambda: ten.Grid(1, 1, 1, cp=2)) == f"grid dp=1 x pp=1 x cp=2 x tp=1 = 2 ranks, but the world " \
+        f"has {world}" if world != 2 else True
+    fake = types.SimpleNamespace(grid=types.SimpleNamespace(cp_size=2, tp_size=2, cp=None), experts=None)
+    ids = [torch.zeros(1, 12, dtype=torch.long)]                  # 12 = 8 + 4: the first length past 8 refused
+    assert refused(lambda: ten.train_step(fake, None, None, ids, ids)) == "sequence length 12 is not divisible by " \
+        "2 x cp 2 x tp 2 (zig-zag's 2 chunks a CP rank, split over TP)"
+    if world in (4, 8):                                           # 6 experts over ep 3 (last fitting) and 4
+        grid = ten.Grid(world // 4, 1, 4 // 4, pg_timeout(), cp=4, ep=4) if world == 4 else \
+            ten.Grid(2, 1, 1, pg_timeout(), cp=4, ep=4)
+        dense = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, ten.KV_HEADS, ten.FFN, 2, **ten.MOE).layers[1].feed_forward
+        assert refused(lambda: ten.MoE(dense, 2, grid)) == "num_experts=6 is not divisible by the expert-parallel " \
+                                                           "size 4"
+    log("each refused in one line on every rank before any collective; the last fitting values train below")
+
+
+def five_d(shape, zero, tied, device):
+    """A Llama-MoE on a 5D grid, float64, against one process: before ZeRO's reduction every gradient's mean over
+    its group (dense: dp x cp; an expert: edp) == the one-process gradient's slice (AdamW alone would hide a wrong
+    scale), then 10's own run: STEPS losses, every parameter, one step's traffic == the closed forms."""
+    grid = ten.Grid(shape["dp"], shape["pp"], shape["tp"], pg_timeout(), cp=shape["cp"], ep=shape["ep"])
+    head(f"5D: dp {shape['dp']} x pp {shape['pp']} x cp {shape['cp']} x tp {shape['tp']}, ep {shape['ep']} (edp "
+         f"{shape['dp'] * shape['cp'] // shape['ep']}), ZeRO-{zero}, {'tied' if tied else 'untied'}: gradients first")
+    torch.manual_seed(0)
+    llama = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, ten.KV_HEADS, ten.FFN, ten.LAYERS, tied, F64, **ten.MOE)
+    llama = llama.to(device)
+    total = ten.stage_numel(dict(ten.toy_config(grid, zero, tied, ten.MOE), tp=1, pp=1, ep_size=1), 0)
+    experts = ten.stage_numel(dict(ten.toy_config(grid, zero, tied, ten.MOE), tp=1, pp=1, ep_size=1), 0, True)
+    assert total + experts == sum(p.numel() for p in llama.parameters()), (total, experts)
+    model, optimizer = ten.parallelize(llama, grid, zero, **HYPER)
+    comm = ten.pipeline.P2PCommunicator((ten.SEQ // grid.cp_size // grid.tp_size, ten.MICRO, ten.HIDDEN), F64,
+                                        device, grid.pp)
+    ids, targets = ten.batch(0, grid.dp_size, device)
+    F.cross_entropy(llama(ids).flatten(0, 1), targets.flatten()).backward()
+    want, rows = slices(llama, grid, [p.grad for p in llama.parameters()]), slice(grid.d * ten.M * ten.MICRO,
+                                                                                 (grid.d + 1) * ten.M * ten.MICRO)
+    stage, n_dp = model.module, grid.dp_size * grid.cp_size
+
+    def mean_is_reference():                                      # after finalize_grads, before the reduction
+        for name, p in stage.named_parameters():
+            mean = p.main_grad.clone()
+            dist.all_reduce(mean, group=grid.edp if p.expert else grid.dp)
+            torch.testing.assert_close(mean / (n_dp // grid.ep_size if p.expert else n_dp), want[name], rtol=1e-9,
+                                       atol=1e-13, msg=lambda s: f"grad {name}: {s}")
+    ten.train_step(model, optimizer, comm, list(ids[rows].split(ten.MICRO)), list(targets[rows].split(ten.MICRO)),
+                   mean_is_reference)
+    log("every gradient's mean over its group (dense over dp x cp, experts over edp, / ep) == one process's")
+    ten.count_traffic(ten.train(grid, device, zero, tied, ten.MOE), grid, zero, tied, ten.MOE)
+
+
 # ---- GQA with fewer K/V heads than TP ranks: 05's replicated heads inside 10's stage ------------------------------
 def replicated_kv(world, device):
     """tp = W > H_kv = W/2: each K/V head on 2 ranks (05's replication), the rest as the toy; one forward and
     backward of one stage (untied, pp = dp = 1) == the one-process Llama: the loss, every gradient's slice."""
     tp, kv = world, world // 2
     head(f"tp {tp} > {kv} K/V heads: each K/V head replicated on {tp // kv} ranks, against one process, float64")
-    grid = types.SimpleNamespace(tp=None, pp_size=1, p=0, is_first=True, is_last=True)   # one stage, tp = W
+    alone = [dist.new_group([r], timeout=pg_timeout()) for r in range(world)][dist.get_rank()]   # cp: one rank
+    grid = types.SimpleNamespace(tp=None, cp=alone, pp_size=1, p=0, is_first=True, is_last=True)   # tp = W
     torch.manual_seed(1)
     llama = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, kv, ten.FFN, 2, False, F64).to(device)
     stage = ten.LlamaStage(llama, grid)
@@ -406,6 +471,9 @@ def main():
             compose(world, device)
         if world % 2 == 0:                                        # tp = W > W/2 K/V heads: replicated
             replicated_kv(world, device)
+        five_d_refusals(world)
+        for shape, zero, tied in FIVE_D.get(world, []):
+            five_d(shape, zero, tied, device)
     for shape, zero, tied, dtype in runs:
         train_on(shape, zero, tied, dtype, device)
     finish(f"{len(runs)} more grids == one process (gradients, losses, parameters), traffic and bytes held == the "
