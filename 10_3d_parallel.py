@@ -389,7 +389,7 @@ def stage_numel(c, stage, experts=False):
     h, t, pp, last, moe = c["hidden"], c["tp"], c["pp"], stage == c["pp"] - 1, moe_layers(c, stage)
     E = c.get("experts", 0)
     if experts:
-        return moe * E // c.get("ep_size", 1) * 3 * c["moe_ffn"] * h
+        return moe * E // c.get("ep_size", 1) * 3 * c.get("moe_ffn", 0) * h
     layer = 2 * h + ((2 * c["heads"] + 2 * c["kv_heads"]) * (h // c["heads"]) * h + 3 * c["ffn"] * h) // t
     mixture = moe * (E * h + 3 * c.get("shared_ffn", 0) * h // t - 3 * c["ffn"] * h // t)
     tables = (stage == 0) + (last and not (c["tied"] and pp == 1))

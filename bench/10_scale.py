@@ -10,6 +10,13 @@ issues, to the byte; tests/check_10.py asserts the bytes it holds against step_m
 evaluated (a calculator: nothing is timed, so BENCH_SMALL=1 changes nothing). Asserted in both modes: the table's
 TP, PP and DP bytes equal the docstring's per-step sums, written out again here; each seconds figure is its bytes
 over its link's speed; a model shaped as a published Llama has its published parameter count, within 0.5 %.
+
+5D (GPUS=N, default 2048; GPU_GB, default 80): for a Llama 3 405B-like (128 layers, not 126: pp divides them) and a
+DeepSeek-V3-like MoE (64 layers, each 256 SwiGLU experts top-8 + a shared one; MLA as 128 plain heads), every
+dp x pp x cp x tp grid of N GPUs with ep over dp x cp: the bytes a rank of stage 0 holds (ZeRO-1: dense state
+over dp cp, experts' over dp cp/ep; a dense layer's activations a layer, a mixture's not counted) and the seconds
+one step's traffic takes (TP and CP on NVLink, the rest on InfiniBand, nothing overlapped); names the grid that
+fits GPU_GB with the fewest seconds.
 """
 import math
 import os
@@ -95,9 +102,42 @@ def docstring_sums(c, stage, zero, numel):
     return {"tp": tp, "pp": pipe, "dp": data, "embedding": embedding}
 
 
+FIVE_D = {"Llama 3 405B-like": dict(PUBLISHED["Llama 3 405B"][1], layers=128, seq=8192, micro=1, m=16),  # pp | 128
+          "DeepSeek-V3-like": dict(hidden=7168, heads=128, kv_heads=128, ffn=18432, layers=64, vocab=129280, tied=0,
+                                   experts=256, top_k=8, moe_every=1, moe_ffn=2048, shared_ffn=2048, seq=4096,
+                                   micro=1, m=16)}
+
+
+def five_d(name, c, gpus, gpu_gb):
+    """[(seconds, GB held, grid)] for every 5D grid of `gpus` the model takes, and the best one that fits."""
+    c, rows = {**ten.SCALE, **c}, []
+    for tp, cp, pp in ((t, x, p) for t in (1, 2, 4, 8) for x in (1, 2, 4, 8) for p in (1, 2, 4, 8, 16)):
+        dp, E = gpus // (tp * cp * pp), c.get("experts", 0)
+        if dp * tp * cp * pp != gpus or c["layers"] % pp or c["kv_heads"] % tp and tp > c["kv_heads"]:
+            continue
+        for ep in [e for e in (1, 2, 4, 8, 16, 32, 64) if (dp * cp) % e == 0 and (E % e == 0 if E else e == 1)]:
+            g = {**c, "dp": dp * cp, "pp": pp, "cp": cp, "tp": tp, "ep_size": ep, "zero": 2}
+            dense, expert = ten.stage_numel(g, 0), ten.stage_numel(g, 0, True)
+            g["buckets"] = [-(-dense // (dp * cp)) * dp * cp]
+            g["expert_buckets"] = [-(-expert // (dp * cp // ep)) * (dp * cp // ep)] if expert else []
+            link = lambda k: c["nvlink_GBps"] if k in ("tp", "cp") else c["ib_GBps"]
+            sec = sum(float(b) / 1e9 / link(k) for (k, _), (_, b) in ten.step_traffic(g, 0).items())
+            held = sum(step_memory({**g, "act": activations({**g, "seq": c["seq"] // cp})}, 0, 1, dense).values()) + \
+                sum(step_memory({**g, "dp": dp * cp // ep, "act": 0, "vocab": 0}, 0, 1, expert).values())
+            rows.append((sec, held / 1e9, f"dp {dp} x pp {pp} x cp {cp} x tp {tp}, ep {ep}"))
+    fits = sorted(r for r in rows if r[1] <= gpu_gb)
+    assert rows and all(s > 0 and h > 0 for s, h, _ in rows), name
+    return rows, fits
+
+
 def main():
     zero = os.environ.get("ZERO", "").strip() or "2"
     c, bad = scale_config(os.environ.get("SCALE", "").replace(",", " ").split() + sys.argv[1:])
+    gpus, gpu_gb = os.environ.get("GPUS", "").strip() or "2048", os.environ.get("GPU_GB", "").strip() or "80"
+    if not bad and not (gpus.isdigit() and int(gpus) >= 1):
+        bad = f"GPUS={gpus!r}: give the number of GPUs, a whole number >= 1 (default 2048)"
+    if not bad and not gpu_gb.replace(".", "", 1).isdigit() or not bad and float(gpu_gb) <= 0:
+        bad = f"GPU_GB={gpu_gb!r}: give a GPU's memory in GB, a number > 0 (default 80)"
     if bad or zero not in ("2", "3"):
         refuse(bad or f"ZERO={zero!r}: give 2 (ZeRO-2, the default) or 3")
     setup()
@@ -140,6 +180,16 @@ def main():
                                       for m in (step_memory({**c, "act": act}, s, z) for s in stages)))
     log(f"not counted: one layer's all-gathered input and temporaries, P2P messages in flight (A/t each), the "
         f"allocator's slack; ZeRO-2/3 keep the whole gradient while {c['m']} micro-batches add up")
+    gpus, gpu_gb = int(gpus), float(gpu_gb)
+    for name, shape in FIVE_D.items():
+        rows, fits = five_d(name, shape, gpus, gpu_gb)
+        total = ten.stage_numel({**ten.SCALE, **shape, "tp": 1, "pp": 1}, 0) + \
+            ten.stage_numel({**ten.SCALE, **shape, "tp": 1, "pp": 1}, 0, True)
+        head(f"5D on {gpus} GPUs of {gpu_gb:g} GB: {name} ({total / 1e9:.0f}B parameters), {len(rows)} grids, "
+             f"{len(fits)} fit (ZeRO-1, stage 0)")
+        for sec, gb, grid in fits[:3] or sorted(rows, key=lambda r: r[1])[:1]:
+            log(f"{grid:36} {sec:8.2f} s of traffic a step {gb:8.1f} GB held" + ("" if fits else " (none fits)"))
+        log(f"fits {gpus} GPUs best: {fits[0][2]}" if fits else f"no grid of {gpus} GPUs fits {gpu_gb:g} GB")
     finish("the bytes sent == the docstring's sums, each seconds figure == bytes / link speed"
            + (f", {' and '.join(named)}'s published parameter count" if named else ""))
 
