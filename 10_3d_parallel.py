@@ -223,11 +223,12 @@ class MoE(nn.Module):
 
 class LlamaStage(nn.Module):
     """This rank's part of the Llama, its parameters the one-process model's slices: its stage's layers, the
-    embedding (first stage), the final norm and the head (last stage), split over grid.tp. forward: ids [b, s] or
+    embedding (first stage), the final norm and the head (last stage), split over grid.tp; capacity_factor: the
+    mixtures' (04's per-source-rank rule; None: none dropped). forward: ids [b, s] or
     [s/tp, b, h] -> [s/tp, b, h], or logits [s, b, V/tp] (last stage). Tied on one stage, the head's weight is the
     embedding's Parameter: the lookup writes its .grad, so it carries zero_out_wgrad (Megatron's rule)."""
 
-    def __init__(self, llama, grid):
+    def __init__(self, llama, grid, capacity_factor=None):
         super().__init__()
         tp, n = grid.tp, len(llama.layers)
         if n % grid.pp_size:
@@ -237,7 +238,7 @@ class LlamaStage(nn.Module):
             attention_norm=copy.deepcopy(blk.attention_norm), ffn_norm=copy.deepcopy(blk.ffn_norm),
             attention=Attention(blk.attention, llama.heads, llama.kv_heads, tp, getattr(grid, "cp", None)),
             feed_forward=feed_forward(blk.feed_forward, tp) if isinstance(blk.feed_forward, SwiGLU) else
-            MoE(blk.feed_forward, llama.top_k, grid))) for blk in llama.layers[grid.p * per:(grid.p + 1) * per])
+            MoE(blk.feed_forward, llama.top_k, grid, capacity_factor))) for blk in llama.layers[grid.p * per:(grid.p + 1) * per])
         if self.is_first:                      # reduce-scattered to [s/tp, b, h] (Megatron's reduce_scatter_embeddings)
             self.tok_embeddings = vocab_par.VocabParallelEmbedding.from_dense(llama.tok_embeddings, tp,
                                                                                sequence_parallel=True)

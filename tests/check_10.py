@@ -18,13 +18,15 @@
   ep 2 (edp 2) at 4, dp 2 x cp 2 x tp 2, ep 2 (ZeRO-3) at 8: before ZeRO's reduction every gradient's mean over
   its group (dense: dp x cp; experts: edp, after / ep) == one process's; 10's run: the losses, every parameter,
   one step's traffic (ring K/V, all-to-alls) == the closed forms; stage_numel (dense + experts) == the model's;
-  refusals: ep not dividing dp x cp, the sequence not dividing 2 cp tp, 6 experts over ep 4.
+  refusals: ep not dividing dp x cp, the sequence not dividing 2 cp tp, 6 experts over ep 4; at 2 and 3 ranks a
+  capacity factor that drops assignments (dp = ep = W) == one process applying 04's rule per source rank.
 The joint runs at 3 and 4 ranks (dp 3; tp 2 x dp 2), the rest at every world size. GRID=dpxppxtp trains that grid
 alone (float64, ZeRO-2, tied; refused in one line if it does not fit).
 """
 import contextlib
 import copy
 import importlib
+import math
 import os
 import sys
 import types
@@ -432,6 +434,70 @@ def five_d(shape, zero, tied, device):
     ten.count_traffic(ten.train(grid, device, zero, tied, ten.MOE), grid, zero, tied, ten.MOE)
 
 
+def capped_llama(llama, ids, group, cf):
+    """One process's Llama-MoE forward (logits [B, s, V]) with 04's capacity rule written out as its docstring says:
+    each source rank (here: each `group` rows of ids, its tokens in [s, b] order, as a stage flattens them) fills
+    each expert's C = ceil(cf N k / E) slots with every token's 1st choice in token order, then every 2nd, ...;
+    an assignment finding its expert full is dropped. Returns the logits and the assignments dropped."""
+    x, pos, dropped = llama.tok_embeddings(ids), torch.arange(ids.shape[1], device=ids.device), 0
+    for blk in llama.layers:
+        a, f, h = blk.attention, blk.feed_forward, blk.attention_norm(x)
+        q, k, v = (w(h).unflatten(-1, (-1, llama.head_dim)) for w in (a.wq, a.wk, a.wv))
+        q, k = (seq_par.apply_rope(t, pos, layout="bshd", base=5e5) for t in (q, k))
+        o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True)
+        x = x + a.wo(o.transpose(1, 2).flatten(2))
+        h = blk.ffn_norm(x)
+        if isinstance(f, ten.SwiGLU):
+            x = x + f(h)
+            continue
+        out = []
+        for rows in h.split(group):                               # one source rank's tokens, [s, b] order
+            t = rows.transpose(0, 1).flatten(0, 1)                # [N, h]
+            gates, idx = f.router(t).softmax(-1).topk(llama.top_k, dim=-1)
+            cap, used, keep = math.ceil(cf * len(t) * llama.top_k / len(f.experts)), [0] * len(f.experts), \
+                torch.zeros_like(gates, dtype=torch.bool)
+            for c in range(llama.top_k):
+                for n in range(len(t)):
+                    e = int(idx[n, c])
+                    if used[e] < cap:
+                        used[e], keep[n, c] = used[e] + 1, True
+            dropped += int((~keep).sum())
+            y = sum((gates[:, c, None] * keep[:, c, None]) * torch.stack([ex(t) for ex in f.experts])[
+                idx[:, c], torch.arange(len(t))] for c in range(llama.top_k))
+            out.append(y.unflatten(0, (rows.shape[1], rows.shape[0])).transpose(0, 1))
+        x = x + torch.cat(out) + f.shared(h)
+    return llama.output(llama.norm(x)), dropped
+
+
+def capacity(world, device):
+    """dp = ep = W, one stage, capacity factor 0.5 (assignments dropped): one forward and backward of each rank's
+    micro-batch == capped_llama on all of them: the loss, every dense gradient's mean over dp, every expert's."""
+    head(f"capacity factor 0.5 on ep {world}: drops, against one process applying 04's rule per source rank")
+    grid = ten.Grid(world, 1, 1, pg_timeout(), ep=world)
+    torch.manual_seed(2)
+    llama = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, ten.KV_HEADS, ten.FFN, 2, False, F64, **ten.MOE).to(device)
+    stage = ten.LlamaStage(llama, grid, capacity_factor=0.5)
+    ids, targets = (t[:world * ten.MICRO] for t in ten.batch(0, world, device))
+    logits, dropped = capped_llama(llama, ids, ten.MICRO, 0.5)
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    ref.backward()
+    mine = slice(grid.d * ten.MICRO, (grid.d + 1) * ten.MICRO)
+    loss = ten.vocab_par.vocab_parallel_cross_entropy(stage(ids[mine]), targets[mine].t(), group=grid.tp)
+    loss.backward()
+    got = torch.tensor([loss.item(), sum(m.moe.stats["dropped"] for m in stage.modules() if isinstance(m, ten.MoE))],
+                       dtype=F64, device=device)
+    dist.all_reduce(got)
+    assert int(got[1]) == dropped > 0, (got, dropped)
+    torch.testing.assert_close(got[0] / world, ref.detach(), rtol=1e-12, atol=0)
+    want = slices(llama, grid, [p.grad for p in llama.parameters()])
+    for name, p in stage.named_parameters():
+        g = p.grad.clone()
+        if not p.expert:                                          # an expert's already holds every rank's tokens
+            dist.all_reduce(g)
+        torch.testing.assert_close(g / world, want[name], rtol=1e-10, atol=1e-13, msg=lambda s: f"grad {name}: {s}")
+    log(f"{dropped} assignments dropped, the same as one process's; the loss and every gradient == one process's")
+
+
 # ---- GQA with fewer K/V heads than TP ranks: 05's replicated heads inside 10's stage ------------------------------
 def replicated_kv(world, device):
     """tp = W > H_kv = W/2: each K/V head on 2 ranks (05's replication), the rest as the toy; one forward and
@@ -472,6 +538,8 @@ def main():
         if world % 2 == 0:                                        # tp = W > W/2 K/V heads: replicated
             replicated_kv(world, device)
         five_d_refusals(world)
+        if world in (2, 3):                                       # 6 experts over ep 2, 3
+            capacity(world, device)
         for shape, zero, tied in FIVE_D.get(world, []):
             five_d(shape, zero, tied, device)
     for shape, zero, tied, dtype in runs:
