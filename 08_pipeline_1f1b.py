@@ -26,10 +26,10 @@ recv_next); a send waits for its receive, so where both ends of a link send (1F1
 send and receive in one call: send_forward_recv_backward meets send_backward_recv_forward. The runner posts one
 call after each unit of work (an F or a B; with chunks, Megatron's steady F-B pairs): what it made, what comes next.
 Bytes sent per step, A = one micro-batch's activation: m*A forward unless last, m*A backward unless first;
-interleaved (2v - [first] - [last]) m*A, in v times the messages; each message behind a 56-byte header (7 int64:
-dtype, ndim, dims). Kept: the schedule's micro-batches (a sent output shrinks to one element, Megatron's
-deallocate_output_tensor) and one call's sends in flight. A tied embedding (GPT-2's wte = lm_head) has a copy on
-the first and on the last stage: allreduce_tied_grad() sums their gradients over embedding_group() (V*h each).
+interleaved (2v - [first] - [last]) m*A, in v times the messages; each message one transfer, one element longer (its
+flag; variable_shapes: padded, behind a 56-B header). Kept: the schedule's micro-batches (a sent output shrinks to one
+element: Megatron's deallocate_output_tensor), one call's sends in flight. A tied embedding (GPT-2's wte = lm_head) on
+the first and last stage: allreduce_tied_grad() sums its copies' gradients (V*h) over embedding_group().
 
 Run:  torchrun --nproc-per-node=4 08_pipeline_1f1b.py
 tests/check_08.py proves the rest: bytes to the byte, calls replayed as NCCL runs them, refusals at both ends, hooks.
@@ -50,13 +50,14 @@ MAX_NDIM = 5
 class P2PCommunicator:
     """Moves activations to the next stage and gradients to the previous one; stage = rank in `group`.
 
-    shape, dtype, device: every message (variable_shapes: any shape up to `shape`, sent padded to it); built on every
-    stage at once, it checks that all move the same. Each message goes behind its header (7 int64: dtype, ndim,
-    dims) in one call; both ends refuse one that is not what they move, in one line (the sender after sending zeros
-    in its place: no receiver is left waiting). batched: one batch_isend_irecv a call, else isend/irecv one by one
-    in Megatron's even/odd order; second_group (2 stages, one by one): odd-to-even messages go on it, NCCL running
-    one group's P2P in order. Neighbours wrap round (the interleaved ring); the named calls drop what has no
-    neighbour. self.log: each call posted, its ops in order (send | recv, peer stage, bytes, group 0 | second 1).
+    shape, dtype, device: every message, agreed by all stages when built. A message is one transfer: a copy of the
+    tensor and one element more, its flag (1: refused by its sender, zeros in its place: no receiver is left
+    waiting); both ends refuse one that is not what they move, in one line. variable_shapes (Megatron's
+    variable_seq_lengths): any shape up to `shape`, padded to it, behind a header (7 int64: dtype, ndim, dims).
+    batched: one batch_isend_irecv a call, else isend/irecv one by one in Megatron's even/odd order; second_group
+    (2 stages, one by one): odd-to-even messages go on it, NCCL running one group's P2P in order. Neighbours wrap
+    round (the interleaved ring); the named calls drop what has no neighbour. self.log: each call posted, its ops
+    in order (send | recv, peer stage, bytes, group 0 | second 1).
     """
 
     def __init__(self, shape, dtype, device, group=None, batched=True, variable_shapes=False, second_group=None):
@@ -77,6 +78,7 @@ class P2PCommunicator:
         self.second_group = second_group if second_group is not None else self.group
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
         self.batched, self.variable_shapes, self.log = batched, variable_shapes, []
+        self._numel = torch.Size(shape).numel()
         self._in_flight, self._loop = [], ([], [])  # sends not waited for yet; a one-stage ring's messages
         mine = torch.cat([self._header(torch.empty(shape, dtype=dtype)), torch.tensor([variable_shapes])])
         every = [torch.empty_like(mine, device=self.device) for _ in range(self.num_stages)]
@@ -106,62 +108,67 @@ class P2PCommunicator:
         return None if self.is_first else self.communicate(send_prev=input_grad, recv_prev=True)[0]
 
     def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False, wait_sends=True,
-                    meanwhile=None):
-        """The one routine under the named calls: returns (tensor from prev or None, tensor from next or None).
-        It waits for its receives; meanwhile() (given) runs while they travel (ZB-H1's W). wait_sends=False leaves
-        its sends in flight (the next F or B computes meanwhile) until the next call, which waits for them first:
-        one call's messages in flight at most."""
+                    meanwhile=lambda: None):
+        """The one routine under the named calls: (tensor from prev or None, from next or None), its receives waited
+        for; meanwhile() runs while they travel (ZB-H1's W). wait_sends=False leaves its sends in flight (the next F
+        or B computes meanwhile) until the next call, which waits for them first: one call's sends in flight."""
         sends = (send_next, send_prev)
         wrong = [self._said(f"stage {self.stage} cannot send a {t.dtype} tensor of shape {tuple(t.shape)}")
-                 for t in sends if t is not None and self._bad(self._header(t).tolist())]
+                 for t in sends if t is not None and self._bad(t.dtype, tuple(t.shape))]
         if self.num_stages == 1:                     # a ring of one: this stage receives what it sent
             if wrong:
                 raise ValueError(wrong[0])
             for t, box in zip(sends, self._loop):
-                if t is not None:
-                    box.append(t)
-            if meanwhile is not None:
-                meanwhile()
+                box += [t.detach()] if t is not None else []
+            meanwhile()
             return self._loop[0].pop(0) if recv_prev else None, self._loop[1].pop(0) if recv_next else None
-        out = [[] if t is None else [self._header(t).to(self.device), self._padded(t)] for t in sends]
-        inbox = [[torch.empty(2 + MAX_NDIM, dtype=torch.int64, device=self.device),
-                  torch.empty(self.shape, dtype=self.dtype, device=self.device)] if want else []
+        self.wait_sends()                            # the previous call's sends, before this one's are made
+        out = [[] if t is None else self._framed(t) for t in sends]
+        inbox = [([torch.empty(2 + MAX_NDIM, dtype=torch.int64, device=self.device),
+                   torch.empty(self.shape, dtype=self.dtype, device=self.device)] if self.variable_shapes else
+                  [torch.empty(self._numel + 1, dtype=self.dtype, device=self.device)]) if want else []
                  for want in (recv_prev, recv_next)]
         self._p2p(*out, *inbox, wait_sends, meanwhile)
         got = []
         for box, peer in zip(inbox, ((self.stage - 1) % self.num_stages, (self.stage + 1) % self.num_stages)):
-            told = box[0].tolist() if box else None  # [dtype's index (-1: none), ndim, dims...]
-            if told is not None and self._bad(told):
-                wrong.append(self._said(f"stage {self.stage} got from stage {peer} a " + (
-                    f"{HEADER_DTYPES[told[0]] if told[0] >= 0 else 'another dtype'} tensor of " +
-                    (f"shape {tuple(told[2:2 + told[1]])}" if told[1] <= MAX_NDIM else f"{told[1]} dims"))))
-            elif told is not None and told[2:2 + told[1]] != list(self.shape):   # variable_shapes: its corner
-                box[1] = box[1][tuple(slice(0, n) for n in told[2:2 + told[1]])].clone()
-            got.append(box[1] if box else None)
+            said = f"stage {self.stage} got from stage {peer} a "
+            if box and not self.variable_shapes:     # [the tensor, flag]: 0 what the pipeline moves, 1 refused
+                wrong += [self._said(said + "message its sender refused (zeros)")] * bool(box[0][-1].item())
+                box[0] = box[0][:-1].view(self.shape)
+            elif box:                                # [header: dtype's index (-1: none), ndim, dims...], tensor
+                told = box[0].tolist()
+                dtype, shape = HEADER_DTYPES[told[0]] if told[0] >= 0 else None, tuple(told[2:2 + told[1]])
+                if told[1] > MAX_NDIM or self._bad(dtype, shape):
+                    wrong.append(self._said(said + f"{dtype or 'another dtype'} tensor of " + (
+                        f"shape {shape}" if told[1] <= MAX_NDIM else f"{told[1]} dims")))
+                elif shape != self.shape:            # its corner
+                    box[1] = box[1][tuple(slice(0, n) for n in shape)].clone()
+            got.append(box[-1] if box else None)
         if wrong:
             raise ValueError(wrong[0])
         return tuple(got)
+
+    def _bad(self, dtype, shape):                    # not what this pipeline moves
+        return dtype != self.dtype or len(shape) != len(self.shape) or any(
+            n > w if self.variable_shapes else n != w for n, w in zip(shape, self.shape))
+
+    def _said(self, what):
+        return f"{what}: the pipeline moves {self.dtype}, shape {'up to ' * self.variable_shapes}{self.shape}"
 
     def _header(self, t):                            # [dtype's index in HEADER_DTYPES (-1: none), ndim, dims]
         dims = list(t.shape)[:MAX_NDIM] if t.dim() <= MAX_NDIM else []
         return torch.tensor([HEADER_DTYPES.index(t.dtype) if t.dtype in HEADER_DTYPES else -1, t.dim(), *dims,
                              *[0] * (MAX_NDIM - len(dims))], dtype=torch.int64)
 
-    def _bad(self, told):                            # a header that says: not what this pipeline moves
-        shape, want = told[2:2 + told[1]], self.shape
-        return (told[0] < 0 or HEADER_DTYPES[told[0]] != self.dtype or told[1] != len(want) or
-                any(n > w if self.variable_shapes else n != w for n, w in zip(shape, want)))
-
-    def _said(self, what):
-        return f"{what}: the pipeline moves {self.dtype}, shape {'up to ' * self.variable_shapes}{self.shape}"
-
-    def _padded(self, t):                            # what follows the header: `shape`, zeros where t is wrong
-        if tuple(t.shape) == self.shape and t.dtype == self.dtype:
-            return t
+    def _framed(self, t):                            # what goes on the wire for t; zeros where t is refused
+        bad = self._bad(t.dtype, tuple(t.shape))
+        if not self.variable_shapes:                 # one transfer: t and its flag
+            data = torch.zeros(self._numel, dtype=self.dtype, device=self.device) if bad else t.detach().reshape(-1)
+            return [torch.cat([data, data.new_full((1,), bad)])]
         buf = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        if not self._bad(self._header(t).tolist()):  # variable_shapes: t in its corner
+        if not bad:
             buf[tuple(slice(0, n) for n in t.shape)] = t
-        return buf
+        return [self._header(t).to(self.device), buf]
 
     def wait_sends(self):
         """Wait for the sends the last communicate(wait_sends=False) left in flight, and let their tensors go."""
@@ -169,12 +176,10 @@ class P2PCommunicator:
             req.wait()
         self._in_flight = []
 
-    def _p2p(self, send_next, send_prev, recv_prev, recv_next, wait_sends, meanwhile=None):
+    def _p2p(self, send_next, send_prev, recv_prev, recv_next, wait_sends, meanwhile):
         """Post the given transfers (a list of tensors each) as one call; run meanwhile(); wait for its receives."""
-        self.wait_sends()                                     # the previous call's sends, before this call posts
-        ops, call, reqs = [], [], []
+        ops, call, reqs = [], [], []                 # (each tensor contiguous, as NCCL takes them: made so)
         for op, t, step, second in _posting_order(self, send_next, send_prev, recv_prev, recv_next):
-            t = t.contiguous() if op is dist.isend else t         # NCCL takes contiguous tensors only
             ops.append(dist.P2POp(op, t, self.next if step > 0 else self.prev,
                                   self.second_group if second else self.group))
             call.append(("send" if op is dist.isend else "recv", (self.stage + step) % self.num_stages,
@@ -182,8 +187,7 @@ class P2PCommunicator:
         if ops:
             self.log.append(call)
             reqs = dist.batch_isend_irecv(ops) if self.batched else [o.op(o.tensor, o.peer, group=o.group) for o in ops]
-        if meanwhile is not None:
-            meanwhile()
+        meanwhile()
         # gloo: one request per op, each waited for (waiting on one hung, pytorch#132644); NCCL may give one in all
         for req, o in zip(reqs, ops) if len(reqs) == len(ops) else ((r, None) for r in reqs):
             if o is not None and o.op is dist.isend and not wait_sends:
@@ -193,9 +197,9 @@ class P2PCommunicator:
 
 
 def _posting_order(comm, send_next, send_prev, recv_prev, recv_next):
-    """The transfers (a list of tensors each: a header, its tensor) as [(isend | irecv, tensor, +1 next | -1 prev,
-    on second group)], in Megatron's even/odd order: even stages send_next, recv_prev, send_prev, recv_next, odd
-    ones swap each pair, so that posted one by one each link has one end sending while the other receives."""
+    """The transfers (a list of tensors each) as [(isend | irecv, tensor, +1 next | -1 prev, on second group)], in
+    Megatron's even/odd order: even stages send_next, recv_prev, send_prev, recv_next, odd ones swap each pair, so
+    that posted one by one each link has one end sending while the other receives."""
     even = comm.stage % 2 == 0
     order = [(dist.isend, send_next, 1), (dist.irecv, recv_prev, -1), (dist.isend, send_prev, -1),
              (dist.irecv, recv_next, 1)]
@@ -316,8 +320,6 @@ def backward_weight(store):
 def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
     """One training step of this pipeline stage, in the order schedule_fn gives; gradients accumulate in .grad.
 
-        loss, trace, calls = run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn)
-
     stages       this stage's nn.Module, or a list of v >= 2 chunks (chunk c runs model chunk c*p + s)
     schedule_fn  (num_stages, stage, num_microbatches) -> [(op, micro-batch[, chunk])], op "F", "B" or "W" (the
                  four above); with Ws, B is backward_input and W backward_weight
@@ -336,9 +338,8 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
     after, done = {}, []                              # ZB-H1: the Ws that follow each F or B
     for o in ops:
         after.setdefault(done[-1], []).append(o) if o[0] == "W" else done.append(o)
-    # units of work, one call after each (it sends what the unit made, receives what the next one needs): each F
-    # and B; with chunks, Megatron's interleaved loop: warm-up Fs, steady F-B pairs (the next pair's two inputs come
-    # in the call after a pair), cool-down Bs
+    # units of work, one call after each (what the unit made out, what the next one needs in): each F and B; with
+    # chunks, Megatron's interleaved loop: warm-up Fs, steady F-B pairs (both inputs in one call), cool-down Bs
     warmup = min(2 * (p - s - 1) + (v - 1) * p, m * v)
     units = [[o] for o in done] if v == 1 else [[f] for f in fwd[:warmup]] + [
         [f, b] for f, b in zip(fwd[warmup:], bwd)] + [[b] for b in bwd[m * v - warmup:]]
@@ -355,7 +356,7 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
                     y = loss_fn(y, targets[mb]) / m
                     loss.append(y.detach())
                 held[(mb, c)] = (x, y, keep)
-                out = None if u == last else y.detach()
+                out = None if u == last else y       # sent as a copy: y is then deallocated
             else:
                 x, y, keep = held.pop((mb, c))
                 dy = got.pop(op) if u < last else None       # None where y is the loss
@@ -368,26 +369,25 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
         trace.append(op)
         return out
 
-    def weights(unit):                               # the Ws the schedule runs after this unit
+    def posted(made, unit):                          # while the call travels: what it sent is copied (backward
+        for o, t in made:                            # needs only an output's grad_fn, nothing an input's gradient);
+            if t is not None:                        # then the Ws the schedule runs after this unit
+                deallocate_output_tensor(t) if o[0] == "F" else t.set_()
         for w in [w for op in unit for w in after.get(op, [])]:
             with torch.profiler.record_function(f"W mb{w[1]} c{w[2]}"):
                 backward_weight(store.pop(w[1:]))
             trace.append(w)
 
-    def call(made, unit, meanwhile):                 # send what `made` holds; receive what `unit` needs
+    def call(made, unit, done):                      # send what `made` holds; receive what `unit` needs
         needs = [o for o in unit if (o[2] * p + s > 0 if o[0] == "F" else o[2] * p + s < last)]
         sends = {("send_next" if o[0] == "F" else "send_prev"): t for o, t in made if t is not None}
-        a, b = comm.communicate(**sends, recv_prev=any(o[0] == "F" for o in needs),
-                                recv_next=any(o[0] == "B" for o in needs), wait_sends=False, meanwhile=meanwhile)
-        for o, t in made:                            # sent: backward needs only the output's grad_fn
-            if o[0] == "F" and t is not None:
-                deallocate_output_tensor(held[o[1:]][1])
+        a, b = comm.communicate(**sends, recv_prev=any(o[0] == "F" for o in needs), recv_next=any(
+            o[0] == "B" for o in needs), wait_sends=False, meanwhile=lambda: posted(made, done))
         got.update({o: a if o[0] == "F" else b for o in needs})
 
-    call([], units[0], None)                         # the first unit's input
+    call([], units[0], [])                           # the first unit's input
     for i, unit in enumerate(units):
-        made = [(op, run(op)) for op in unit]
-        call(made, units[i + 1] if i + 1 < len(units) else [], lambda: weights(unit))
+        call([(op, run(op)) for op in unit], units[i + 1] if i + 1 < len(units) else [], unit)
     comm.wait_sends()
     return sum(loss) if loss else None, trace, comm.log[start:]
 

@@ -37,7 +37,7 @@ all-to-all (n-1)/n); A = s/cp*b*h*e one micro-batch's activation on a CP rank, m
   EP per mixture and micro-batch (no capacity: every choice kept): an all-to-all of E int64 counts, dispatch and
       combine, forward and backward: 4 all-to-alls handing K_out, K_in rows of h e; K_out = s/cp b/t k, K_in its
       ep group's mean (the routing's), the bytes' mean over the group 4 (ep-1)/ep K_out h e.
-  PP per micro-batch: A/t forward unless last stage, A/t back unless first, each behind a header of 56 B (08).
+  PP per micro-batch: A/t forward unless last stage, A/t back unless first, each one element longer (08's flag).
       Tied, pp > 1: the embedding group all-reduces V/t*h once.
   DP per bucket (n = dp cp; an expert bucket n = dp cp/ep): reduce-scatter (n-1)/n of its gradients; all-gather
       (n-1)/n of its parameters once (ZeRO-2) or for each F and each B, 2m times (ZeRO-3).
@@ -369,9 +369,8 @@ def step_traffic(c, stage):
         add("cp", "recv", cp, per * m * calls, kv * e)
     add("ep", "all_to_all", ep, moe * m, 8 * E)                       # the counts, int64
     add("ep", "all_to_all", ep, 4 * moe * m, tok // t * c.get("top_k", 1) * h * c["e"])   # dispatch, combine (mean)
-    for payload in (A // t, 8 * (2 + pipeline.MAX_NDIM)):           # each message behind 08's header of 7 int64
-        add("pp", "send", pp, m * (2 - first - last), payload)
-        add("pp", "recv", pp, m * (2 - first - last), payload)
+    add("pp", "send", pp, m * (2 - first - last), A // t + c["e"])   # each message one element longer: 08's flag
+    add("pp", "recv", pp, m * (2 - first - last), A // t + c["e"])
     add("embedding", "all_reduce", min(pp, 2), c["tied"] * (first or last), c["vocab"] // t * h * c["eg"])
     for numel in c["buckets"]:                        # ZeRO-3 gathers each bucket for every F and every B instead
         add("dp", "reduce_scatter", c["dp"], 1, numel * c["eg"])

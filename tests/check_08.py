@@ -4,11 +4,12 @@
 - every schedule (1F1B, GPipe, ZB-H1, interleaved v = 2, 3), p <= 8, m <= 12: orders worked by hand, micro-batch
   order, B after F, W after B, micro-batches held and ticks == the closed forms; run_schedule's calls on every
   stage of each (m <= 8; at the W = 2 launch), recorded in one process, replay as NCCL runs them (one by one; each
-  call one group), every message received whole, its header just before it;
+  call one group), every message received whole, one transfer (the tensor and its flag; variable shapes: its header
+  just before it);
 - on the world, every schedule batched, 1F1B and interleaved also one by one, == one process (loss, every
   gradient); bytes kept == the model's closed form within [-8 B, A/2) (memory(), to the byte), one call's sends in
-  flight, bytes and messages sent == the closed form, nothing left after the step; run_schedule(1F1B) posts the
-  calls of 1F1B written out; micro-batches of different lengths at m = 1, m < p, m > p (GPipe and ZB-H1 one by
+  flight, bytes and messages sent == the closed form (a flag an element, or a header), nothing left after the
+  step; run_schedule(1F1B) posts the calls of 1F1B written out; micro-batches of different lengths at m = 1, m < p, m > p (GPipe and ZB-H1 one by
   one); the two-stage trick's second group; two pipelines at once on strided sub-groups, token ids in,
   cross-entropy out, non-contiguous activations;
 - ZB-H1: B then W == the ordinary backward bit for bit; every .grad contiguous, in autograd's layout, each
@@ -35,7 +36,8 @@ from tests.tools import held_bytes, lesson, memory, refused, replays, strided_gr
 m = lesson("08_pipeline_1f1b.py")
 HIDDEN, ROWS, M, V = m.HIDDEN, m.ROWS, m.M, m.V
 F64 = torch.float64
-HEADER = 8 * (2 + m.MAX_NDIM)                     # a message's header: 7 int64
+FLAG = 8                                          # fixed shapes: a message is one transfer, one float64 more
+HEADER = 8 * (2 + m.MAX_NDIM)                     # variable_shapes: a header of 7 int64, a transfer before it
 NAME = {m.schedule_1f1b: "1F1B", m.schedule_gpipe: "GPipe", m.schedule_interleaved_1f1b: "interleaved",
         m.schedule_zb_h1: "ZB-H1"}
 
@@ -88,23 +90,26 @@ def replays_batched(logs):
     return at == [len(c) for c in calls] and all(op[1] for ops in active for op in ops)
 
 
-def headers_first(log):
-    """Every message in a stage's calls comes just behind its header, to the same peer, the same way."""
+def framed(log, nbytes, variable=False):
+    """Every message in a stage's calls is one transfer of nbytes (the tensor and its flag); variable: two, the
+    tensor padded to nbytes just behind its header, to the same peer, the same way."""
     for call in log:
-        assert len(call) % 2 == 0 and all(h[:2] == d[:2] and h[2] == HEADER and h[3] == d[3]
-                                          for h, d in zip(call[::2], call[1::2])), call
+        pairs = zip(call[::2], call[1::2]) if variable else ((None, d) for d in call)
+        assert len(call) % (1 + variable) == 0 and all(d[2] == nbytes and (h is None or (
+            h[:2] == d[:2] and h[2] == HEADER and h[3] == d[3])) for h, d in pairs), call
     return True
 
 
 class Recorder(m.P2PCommunicator):
     """Stage `stage` of a pipeline of p, in this one process: each call runs communicate() as it is, notes in
-    self.log the ops it would post, and receives zeros behind a header that says what this pipeline moves."""
+    self.log the ops it would post, and receives zeros flagged as what this pipeline moves."""
 
     def __init__(self, p, stage, shape=(1, 1)):
         self.num_stages, self.stage, self.group, self.second_group, self.log = p, stage, None, None, []
         self.is_first, self.is_last = stage == 0, stage == p - 1
         self.shape, self.dtype, self.device, self.variable_shapes = shape, F64, torch.device("cpu"), False
-        self._in_flight, self._loop = [], ([], [])
+        self._in_flight, self._loop, self._numel = [], ([], []), torch.Size(shape).numel()
+        self._flags = [torch.tensor([f], dtype=F64) for f in (0, 1)]
 
     def _p2p(self, send_next, send_prev, recv_prev, recv_next, wait_sends, meanwhile=None):
         call = [("send" if op is dist.isend else "recv", (self.stage + step) % self.num_stages,
@@ -112,9 +117,8 @@ class Recorder(m.P2PCommunicator):
                 for op, t, step, second in m._posting_order(self, send_next, send_prev, recv_prev, recv_next)]
         self.log += [call] if call else []
         for box in (recv_prev, recv_next):
-            if box:
-                box[0].copy_(self._header(box[1]))
-                box[1].zero_()
+            for t in box:
+                t.zero_()
         if meanwhile is not None:
             meanwhile()
 
@@ -166,7 +170,7 @@ def schedules_checked(rank, world):
                 _, trace, calls = m.run_schedule(chunks[0] if v == 1 else chunks, m.schedule(fn, v), comm,
                                                  [torch.zeros(1, 1, dtype=F64)] * mb, [None] * mb,
                                                  lambda y, t: y.sum())
-                assert trace == traces[s] and calls == comm.log and headers_first(comm.log), (fn, p, s, mb)
+                assert trace == traces[s] and calls == comm.log and framed(comm.log, 8 + FLAG), (fn, p, s, mb)
                 logs.append(comm.log)
             assert replays(one_by_one(logs)) and replays_batched(logs), (NAME[fn], v, p, mb)
             replayed += 1
@@ -194,7 +198,7 @@ def p2p_layer(rank, world, device):
             # rank r => got_prev = rank r-1's x (None at r = 0), got_next = rank r+1's y (None at the last rank)
             assert got_prev is None if rank == 0 else torch.equal(got_prev, sent_by(rank - 1, 0, n(rank - 1)))
             assert got_next is None if rank == world - 1 else torch.equal(got_next, sent_by(rank + 1, 1, n(rank + 1)))
-            assert all(headers_first([c]) for c in comm.log)
+            assert framed(comm.log, (9 if variable else 6) * 8 + (0 if variable else FLAG), variable)
     # adjoint: sum_r <S x, y>_r = sum_r <x, S^T y>_r with S = send_forward, S^T = send_backward
     zero = torch.zeros((), dtype=F64, device=device)
     dots = torch.stack([zero if got_prev is None else (got_prev * y).sum(),      # <S x, y> on this rank
@@ -210,7 +214,7 @@ def p2p_layer(rank, world, device):
         logs = [None] * world
         dist.all_gather_object(logs, comm.log)
         assert replays(one_by_one(logs)), "posted one by one, the four transfers wait on each other"
-    log("batched and one by one, fixed and variable shapes: each stage got its neighbours' tensors, behind headers;")
+    log("batched and one by one, fixed and variable shapes (behind headers): each stage got its neighbours' tensors;")
     log(f"sum <S x, y> = sum <x, S^T y> = {dots[0].item():.0f}"
         + ("; all four at once round the ring (one column-major)" if world % 2 == 0 else ""))
 
@@ -264,21 +268,23 @@ class Metered(m.P2PCommunicator):
 
     in_flight = 0
 
-    def _p2p(self, *args):
+    def communicate(self, *args, **kwargs):
         self.in_flight = max(self.in_flight, held_bytes(t for _, t in self._in_flight))
-        super()._p2p(*args)
+        return super().communicate(*args, **kwargs)
 
 
-def kept_per_microbatch(p, s, v, blocks, a, split):
+def kept_per_microbatch(p, s, v, blocks, a, split, flag=FLAG):
     """Bytes one micro-batch keeps on chunk c of stage s, from the model: each TanhBlock keeps its Linear's input
     and its tanh's output (2a); the chunk's input is the micro-batch itself on the first stage (allocated before
     the step: not counted); the loss keeps its input (a); a sent output shrinks to one element (8). With W
     (split), B needs each Linear's output too (+a each) and from B to W each Linear keeps its input and output
-    gradient (2a each). Returns [(F..B, B..W) for each chunk]."""
+    gradient (2a each). A received input is its message's view, a + flag (p > 1). Returns [(F..B, B..W) for each
+    chunk]."""
     out = []
     for c in range(v):
         first, last = s == 0 and c == 0, c * p + s == p * v - 1
-        out.append(((2 * blocks - first + last + blocks * split) * a + 8, (2 * blocks - first) * a * split))
+        x = (a + flag * (p > 1)) * (not first)   # the chunk's input
+        out.append(((2 * blocks - 1 + last + blocks * split) * a + x + 8, ((2 * blocks - 1) * a + x) * split))
     return out                                       # (+8: a sent output's one element, or the loss)
 
 
@@ -329,27 +335,29 @@ def runner_steps(p, s, v, ops):
     return steps
 
 
-def most_kept(steps, kept, a, temps, loop=False):
+def most_kept(steps, kept, a, temps, loop=False, flag=FLAG, header=0):
     """The most bytes a stage holds at once, walking its steps: what each micro-batch keeps from F to B
-    (kept[c][0]) and from B to W (kept[c][1]), plus its messages (a each): an output from its op until the call
-    that sends it, then in flight until the next call; an input from the call that receives it until its op (an
-    F's input is then part of what the F keeps; a B's is let go); the headers received, during their call (the one
-    sent is made by torch.tensor, which memory() does not see); plus, during each op, its temporaries (temps[c][op],
+    (kept[c][0]) and from B to W (kept[c][1]), plus its messages: an output (a) from its op until the call that
+    sends it, its copy (a + flag) in flight from then until the next call; an input (a + flag) from the call that
+    receives it until its op (an F's input is then part of what the F keeps; a B's is let go); in the call, before
+    the outputs sent are deallocated, both, and each header received (variable shapes; the one sent is made by
+    torch.tensor, which memory() does not see); plus, during each op, its temporaries (temps[c][op],
     working_set's: above what an F keeps after it, above what a B or W finds before it). loop: a one-stage ring,
     where the tensor received is the one sent: it is counted from its op to the op that takes it."""
     msgs = [x for kind, what in steps if kind == "call" for x in what]
     sent, got = {o for k, o in msgs if k == "send"}, {o for k, o in msgs if k == "recv"}
     now, most, flight = 0, 0, 0
     for kind, what in steps:
-        if kind == "call" and not loop:             # the last call's sends are let go; receives arrive
-            now += sum(k == "recv" for k, _ in what) * a - flight
-            flight = sum(k == "send" for k, _ in what) * a
-            most = max(most, now + sum(k == "recv" for k, _ in what) * HEADER)   # the headers received, a moment
+        if kind == "call" and not loop:             # the last call's sends are let go; copies made, receives posted
+            sends, recvs = (sum(k == kind for k, _ in what) for kind in ("send", "recv"))
+            now, flight = now - flight + (sends + recvs) * (a + flag), sends * (a + flag)
+            most = max(most, now + recvs * header)
+            now -= sends * a                         # the outputs sent: deallocated
         elif kind == "op":
             op, _, c = what
             before = now
             now += {"F": kept[c][0], "B": kept[c][1] - kept[c][0], "W": -kept[c][1]}[op] + a * (what in sent) \
-                - a * (what in got)
+                - (a + flag * (not loop)) * (what in got)
             most = max(most, (now if op == "F" else before) + temps[c][op])
     return max(most, now)
 
@@ -405,25 +413,26 @@ def check_pipeline(full, device, runs, variable=False, group=None, second_group=
         # bytes: what the schedule's micro-batches keep, [K, K + half a micro-batch's message); nothing left after
         a = max(rows) * HIDDEN * 8                   # one activation (or message) of the largest micro-batch
         if measure:
-            kept = kept_per_microbatch(p, s, v, len(full) // (p * v), a, split)
+            flag = 0 if variable else FLAG           # variable shapes: no flag, a header before each message
+            kept = kept_per_microbatch(p, s, v, len(full) // (p * v), a, split, flag)
             steps = runner_steps(p, s, v, orders(m.schedule_1f1b if fn is loop_1f1b else fn, v, p, mb)[s])
-            most = most_kept(steps, kept, a, temps, loop=p == 1)
+            most = most_kept(steps, kept, a, temps, p == 1, flag, HEADER * variable)
             # peak = what the micro-batches and messages keep + the temporaries of the op running then (+ the
             # losses' scalars, 8 bytes each): one activation or message more at the peak fails it, ZB-H1's too
             assert most - 8 <= mem.peak < most + a // 2, (NAME.get(fn, "loop"), s, mem.peak / a, most / a)
             worst = max(x for ops in temps for x in ops.values())
-            if v == 1 and not split and worst + 2 * (a + HEADER) < kept[0][0]:   # where one op's temporaries and
+            if v == 1 and not split and worst + 2 * (a + FLAG) < kept[0][0]:   # where one op's temporaries and
                 # two messages weigh less than a micro-batch, the count: 1F1B min(p - s, m), GPipe m
                 assert mem.peak // kept[0][0] == expected_peak(fn if fn is not loop_1f1b else m.schedule_1f1b, p,
                                                                s, mb, v)["B"], (NAME.get(fn), s, mem.peak)
             assert left == held_bytes([loss] if loss is not None else []), (NAME.get(fn), s, left)
-        assert comm.in_flight <= (a + HEADER) * (1 + (v > 1)) * (p > 1), (NAME.get(fn), s, comm.in_flight)
+        assert comm.in_flight <= (a + (HEADER if variable else FLAG)) * (1 + (v > 1)) * (p > 1), (s, comm.in_flight)
         sends = (2 * v - (s == 0) - (s == p - 1)) * mb if p > 1 else 0            # messages this stage sends
-        per_side = (mb * a if variable else sum(n * HIDDEN * 8 for n in rows)) + mb * HEADER
-        assert t.counts["send"] == 2 * sends and t.bytes["send"] == sends // mb * per_side, (s, t.bytes)
+        per_side = mb * (a + HEADER) if variable else sum(n * HIDDEN * 8 for n in rows) + mb * FLAG
+        assert t.counts["send"] == (1 + variable) * sends and t.bytes["send"] == sends // mb * per_side, (s, t.bytes)
         assert {ranks for _, ranks, _ in t.calls} <= {tuple(dist.get_process_group_ranks(pg))}, t.calls
         assert sum(b for call in comm.log for kind, _, b, _ in call if kind == "send") == t.bytes["send"]
-        assert headers_first(comm.log)
+        assert framed(comm.log, a + FLAG * (not variable), variable)
         mine[i] = {"loss": None if loss is None else loss.item(), "log": comm.log, "sent": t.bytes["send"],
                    "peak": mem.peak, "a": a}
     everyone = [None] * dist.get_world_size()
@@ -445,7 +454,7 @@ def equal_one_process(full, device, world, mb=4):
     log(f"1F1B written out, 1F1B, GPipe, interleaved (m = {m_int}), ZB-H1 at m = {mb}, batched (1F1B, interleaved also")
     log(f"one by one): loss and {2 * len(full)} grads == one process; peak (memory()) - (what the micro-batches and")
     log("messages keep + the running op's temporaries) in [-8 B, A/2); peak // one micro-batch = min(p - s, m)")
-    log("for 1F1B, m for GPipe; one call's sends in flight; nothing left; bytes and messages (each behind its header)")
+    log("for 1F1B, m for GPipe; one call's sends in flight; nothing left; bytes and messages (one transfer each)")
     log("== the closed form; run_schedule(1F1B) posts the calls of 1F1B written out")
 
 
@@ -517,7 +526,7 @@ def pipelines_on_subgroups(device, rank, world):
         for q in full.parameters():
             assert q.grad is None if id(q) not in own else torch.allclose(q.grad, ref[id(q)], rtol=1e-9, atol=0)
         assert {c[1] for c in t.calls} <= {tuple(ranks)}, t.calls   # on this pipeline's group, nowhere else
-        assert t.counts["send"] == 2 * (2 - (s == 0) - (s == p - 1)) * M * (p > 1), t.counts
+        assert t.counts["send"] == (2 - (s == 0) - (s == p - 1)) * M * (p > 1), t.counts   # a transfer each
     log(f"pipelines on {members} at once: token ids in (never sent), cross-entropy out, non-contiguous")
     log("activations: 1F1B written out, run_schedule's 1F1B and ZB-H1 == each pipeline in one process")
 
@@ -761,8 +770,10 @@ def message_refusals(device, rank, world):
                 assert rank != 1 % world or torch.equal(got, good), got
             else:
                 assert "\n" not in said and took < 5, (said, took)
-                assert said.startswith(f"stage 0 cannot send a {t.dtype}" if rank == 0 else "stage 1 got from stage "
-                                       f"0 a {t.dtype if t.dtype in m.HEADER_DTYPES else 'another dtype'}"), said
+                told = ("message its sender refused" if not variable else   # fixed shapes: its flag says it
+                        t.dtype if t.dtype in m.HEADER_DTYPES else "another dtype")   # variable: its header
+                assert said.startswith(f"stage 0 cannot send a {t.dtype}" if rank == 0 else
+                                       f"stage 1 got from stage 0 a {told}"), said
     if world > 1:                                    # stages built to move different messages: refused when built
         try:
             m.P2PCommunicator((ROWS, HIDDEN), torch.float32 if rank == world - 1 else F64, device)
@@ -771,8 +782,9 @@ def message_refusals(device, rank, world):
             said = str(e)
         assert said is not None and "\n" not in said and said.startswith("the stages move different"), said
     log(f"{tried} messages from stage 0: a transposed one, the largest and a short one of variable shapes pass;")
-    log("another dtype, a dim one off, another rank, complex64, 6 dims: refused on the sender and the receiver,")
-    log("one line each, within seconds; stages built with different dtypes: refused when built, on every stage")
+    log("another dtype, a dim one off, another rank, complex64, 6 dims: refused on the sender and the receiver")
+    log("(its flag; variable shapes: its header), one line each, within seconds; stages built with different")
+    log("dtypes: refused when built, on every stage")
 
 
 def main():
