@@ -91,12 +91,13 @@ def activations(c):
 def docstring_sums(c, stage, zero, numel):
     """The bytes one step sends per group, from 10's docstring's sentences, summed by hand: TP 10 (t-1)/t A a layer
     and micro-batch, +2 (t-1)/t A (embedding) or +3 (t-1)/t A and the loss's 3 fp32 a token over t (head), the
-    norms' all-reduce; PP A/t + 56 B each way; DP a reduce-scatter of the gradients, all-gathers of the parameters."""
+    norms' all-reduce; PP A/t + e each way (08's flag); DP a reduce-scatter of the gradients, all-gathers of the
+    parameters."""
     t, pp, m, dp, h = c["tp"], c["pp"], c["m"], c["dp"], c["hidden"]
     A, first, last, per = c["micro"] * c["seq"] * h * c["e"], stage == 0, stage == pp - 1, c["layers"] // pp
     tp = (t - 1) / t * m * A * (10 * per + 2 * first + 3 * last) + last * m * (t - 1) * 3 * c["micro"] * c["seq"] * \
         max(c["e"], 4) + 2 * (t - 1) / t * (2 * h * per + last * h) * c["eg"]
-    pipe = (2 - first - last) * m * (A / t + 56) if pp > 1 else 0   # 56: 08's header, 7 int64 a message
+    pipe = (2 - first - last) * m * (A / t + c["e"]) if pp > 1 else 0   # a message one element longer: 08's flag
     data = (dp - 1) / dp * numel * (c["eg"] + (2 * m if zero == 3 else 1) * c["ep"])
     embedding = c["tied"] * (first or last) * (pp > 1) * c["vocab"] // t * h * c["eg"]
     return {"tp": tp, "pp": pipe, "dp": data, "embedding": embedding}
