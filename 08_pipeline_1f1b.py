@@ -322,7 +322,7 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
 
     stages       this stage's nn.Module, or a list of v >= 2 chunks (chunk c runs model chunk c*p + s)
     schedule_fn  (num_stages, stage, num_microbatches) -> [(op, micro-batch[, chunk])], op "F", "B" or "W" (the
-                 four above); with Ws, B is backward_input and W backward_weight
+                 four above); with Ws, B is backward_input and W backward_weight (model chunk 0: B none, W all)
     comm         a P2PCommunicator on the pipeline group (stage = group rank, p = group size)
     inputs       m micro-batches, read by the first stage only (any tensors: token ids are never sent)
     targets      m targets, read by the last stage only; loss_fn(the last chunk's output, target) -> a scalar
@@ -351,7 +351,7 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
         with torch.profiler.record_function(f"{kind} mb{mb} c{c}"):
             if kind == "F":
                 x = got.pop(op).requires_grad_() if u > 0 else inputs[mb]
-                y, keep = forward_keeping(chunks[c], x) if after else (chunks[c](x), None)
+                y, keep = forward_keeping(chunks[c], x) if after and u > 0 else (chunks[c](x), None)
                 if u == last:                        # the last model chunk: the loss
                     y = loss_fn(y, targets[mb]) / m
                     loss.append(y.detach())
@@ -360,8 +360,8 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
             else:
                 x, y, keep = held.pop((mb, c))
                 dy = got.pop(op) if u < last else None       # None where y is the loss
-                if after:
-                    dx, store[(mb, c)] = backward_input(x, y, dy, keep)
+                if after:                            # model chunk 0: no input gradient, its W the whole backward
+                    dx, store[(mb, c)] = backward_input(x, y, dy, keep) if u > 0 else (None, (y, dy))
                 else:
                     torch.autograd.backward(y, dy)
                     dx = x.grad
@@ -375,7 +375,7 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
                 deallocate_output_tensor(t) if o[0] == "F" else t.set_()
         for w in [w for op in unit for w in after.get(op, [])]:
             with torch.profiler.record_function(f"W mb{w[1]} c{w[2]}"):
-                backward_weight(store.pop(w[1:]))
+                torch.autograd.backward(*store.pop(w[1:])) if w[2] * p + s == 0 else backward_weight(store.pop(w[1:]))
             trace.append(w)
 
     def call(made, unit, done):                      # send what `made` holds; receive what `unit` needs

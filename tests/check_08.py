@@ -278,20 +278,25 @@ def kept_per_microbatch(p, s, v, blocks, a, split, flag=FLAG):
     and its tanh's output (2a); the chunk's input is the micro-batch itself on the first stage (allocated before
     the step: not counted); the loss keeps its input (a); a sent output shrinks to one element (8). With W
     (split), B needs each Linear's output too (+a each) and from B to W each Linear keeps its input and output
-    gradient (2a each). A received input is its message's view, a + flag (p > 1). Returns [(F..B, B..W) for each
-    chunk]."""
+    gradient (2a each), except model chunk 0, whose W runs the whole backward: it keeps all its F kept, and the
+    gradient received, until W. A received input is its message's view, a + flag (p > 1). Returns [(F..B, B..W)
+    for each chunk]."""
     out = []
     for c in range(v):
         first, last = s == 0 and c == 0, c * p + s == p * v - 1
         x = (a + flag * (p > 1)) * (not first)   # the chunk's input
-        out.append(((2 * blocks - 1 + last + blocks * split) * a + x + 8, ((2 * blocks - 1) * a + x) * split))
+        f_to_b = (2 * blocks - 1 + last + blocks * split * (not first)) * a + x + 8
+        dy = (a + flag * (p > 1)) * (not last)   # the gradient received: chunk 0 keeps it from B to W (W: all)
+        out.append((f_to_b, f_to_b + dy if split and first else ((2 * blocks - 1) * a + x) * split))
     return out                                       # (+8: a sent output's one element, or the loss)
 
 
-def working_set(chunk, x, target, last, split, mb):
+def working_set(chunk, x, target, last, split, mb, first=False):
     """{op: the most bytes it holds above what it keeps after (F) or holds before (B, W)}: each op's temporaries
-    (the gradients on their way through a backward), measured in one process on one micro-batch of this chunk."""
-    x = x.detach().clone().requires_grad_(x.dtype.is_floating_point)   # as a received input (or token ids)
+    (the gradients on their way through a backward), measured in one process on one micro-batch of this chunk.
+    first: model chunk 0 (its input is data); with W, its B does nothing and its W the whole backward."""
+    x = x.detach().clone().requires_grad_(x.dtype.is_floating_point and not first)   # as received, or data
+    whole, split = split and first, split and not first
     with memory() as mem:
         y, keep = m.forward_keeping(chunk, x) if split else (chunk(x), None)
         y = F.mse_loss(y, target) / mb if last else y
@@ -310,6 +315,8 @@ def working_set(chunk, x, target, last, split, mb):
         else:
             torch.autograd.backward(y, dy)
             temps["B"] = mem.peak - before
+            if whole:                                # all of it in W
+                temps["W"], temps["B"] = temps["B"], 0
         return temps
 
 
@@ -394,7 +401,7 @@ def check_pipeline(full, device, runs, variable=False, group=None, second_group=
         for q in own:                                # gradients exist before the step: memory() sees activations
             q.grad = torch.zeros_like(q)
         if measure:                                  # one op's temporaries, on one micro-batch in one process
-            temps = [working_set(chunk, xs[0], ts[0], c * p + s == p * v - 1, split, mb)
+            temps = [working_set(chunk, xs[0], ts[0], c * p + s == p * v - 1, split, mb, c * p + s == 0)
                      for c, chunk in enumerate([stage] if v == 1 else stage)]
             for q in own:
                 q.grad.zero_()
