@@ -7,7 +7,8 @@ On 16 TanhBlocks (x + tanh(x W^T + b), h = 256, fp32), M = 8 micro-batches of 32
 loss: each pair is first checked to give the same loss and the same gradients on every stage (rtol 1e-5), then
 rounds interleave (the order reversed every other round): a round times one step of each side, the slowest rank's
 time (the max over ranks, asserted equal to the largest of the ranks' own times); a ratio is the median of
-per-round ratios. torch infers its stages' shapes in its first step (not timed). BENCH_ROUNDS (default 20).
+per-round ratios. torch infers its stages' shapes in its first step (not timed). BENCH_ROUNDS (default 20),
+BENCH_ROWS (rows a micro-batch, default 32).
 Tables: bench/README.md.
 """
 import os
