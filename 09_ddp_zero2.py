@@ -325,8 +325,7 @@ class DDP(nn.Module):
         missing, unexpected = [k for k in want if k not in state_dict], [k for k in state_dict if k not in want]
         if strict and (missing or unexpected):
             raise ValueError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected} (strict=True)")
-        for k in (k for k in want if k in state_dict):
-            got, mine = state_dict[k], want[k]
+        for k, got, mine in ((k, state_dict[k], v) for k, v in want.items() if k in state_dict):
             if isinstance(got, torch.Tensor) and (got.shape, got.dtype) != (mine.shape, mine.dtype):
                 raise ValueError(f"load_state_dict: {k} is {got.dtype} {list(got.shape)} in the state_dict, "
                                  f"{mine.dtype} {list(mine.shape)} in the model")
@@ -612,8 +611,7 @@ class TiedLM(nn.Module):
 
 
 def make(device, cls=None, group=None, seed=0):
-    """The model (88 tied + 72 + 72 + 11 parameters) and nanoGPT's AdamW groups (no decay on biases), wrapped in
-    cls: 3 buckets, the biases, the two layers' weights, the tied embedding."""
+    """TiedLM (88 tied + 72 + 72 + 11 parameters) and nanoGPT's AdamW groups (no decay on biases), in cls."""
     torch.manual_seed(seed)
     net = TiedLM().to(device, torch.float64)
     optimizer = torch.optim.AdamW([{"params": [p for p in net.parameters() if p.dim() >= 2], "weight_decay": 0.1},
@@ -651,7 +649,7 @@ def main():
         log(f"bucket {b.index}: {' '.join(names[id(p)] for p in b.params)}: "
             f"{sum(p.numel() for p in b.params)} -> {b.numel} elements")
     assert all(torch.equal(v, make(device)[0].state_dict()[k]) for k, v in model.state_dict().items())
-    log("every rank holds rank 0's values (built from seed 0 on rank 0 alone); head.weight is emb.weight, one copy")
+    log("every rank holds rank 0's values (each built its own from seed=rank); head.weight is emb.weight, one copy")
 
     head(f"2. DDP, ZeRO-2, ZeRO-3 == one process: {STEPS} steps of nanoGPT's train.py loop, float64")
     ref, ref_opt = make(device)
