@@ -3,7 +3,7 @@ loudly (every rank's output) when one breaks.
 
     pytest test_all.py                 everything (about a minute and a half on 2 cores)
     pytest test_all.py -m "not slow"   the edit loop: everything but the real torchrun launches
-    pytest test_all.py -k 05_          one lesson: its demo, tests/check_05.py, its paste check
+    pytest test_all.py -k lesson05     one lesson: its demo and check script at every size, paste, bench, suite
     pytest test_all.py -m gpu          every lesson under torchrun with NCCL, one process per GPU (skipped without)
     pytest test_all.py -m stress       every lesson at every world size, many times: exits that abort now and then
 
@@ -137,6 +137,27 @@ def test_every_lesson_has_its_check_script_and_paste_check():
     for script in LESSONS:
         assert (HERE / "tests" / f"check_{script[:2]}.py").exists(), f"tests/check_{script[:2]}.py"
         assert script.startswith("10_") or _paste_file(script).exists(), f"tests/paste_{script[:2]}.py"
+
+
+def test_one_keyword_selects_every_test_of_one_lesson():
+    """`-k lessonNN` (conftest.py) collects lesson NN's demo and check script at every world size, its paste check,
+    its benchmarks, and no other lesson's file; pytest itself does the selecting for one lesson."""
+    from conftest import lesson_of
+    collect = [sys.executable, "-m", "pytest", "test_all.py", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"]
+    (code, out), (code5, out5) = run_cmd([collect, collect + ["-k", "lesson05"]], timeout=120)
+    assert code == code5 == 0, out + out5
+    ids, picked = ([i.split("::", 1)[1] for i in o.split() if i.startswith("test_all.py::")] for o in (out, out5))
+    for script in LESSONS:
+        n = script[:2]
+        mine = {i for i in ids if lesson_of(i) == f"lesson{n}"}
+        want = {f"test_world_size[{f}-{w}]" for f in (script, f"tests/check_{n}.py") for w in WORLD_SIZES}
+        want |= {f"test_block_pasted_alone[lesson{n}-{w}]" for w in (2, 4) if n != "10"}
+        want |= {f"test_bench_runs_small[{b}]" for b in BENCHES if b.startswith(f"bench/{n}_")}
+        assert want <= mine, (script, sorted(want - mine))
+        others = [f for f in LESSONS + CHECKS + BENCHES if f[:2] != n and f.split("/")[-1][-5:-3] != n
+                  and not f.startswith(f"bench/{n}")]
+        assert not [i for i in mine if any(f in i for f in others)], (script, mine)
+    assert set(picked) == {i for i in ids if lesson_of(i) == "lesson05"} and len(picked) >= 16, picked
 
 
 # ---- benchmarks: each once, small, for its arithmetic ----------------------------------------------------
