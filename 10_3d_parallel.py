@@ -41,11 +41,12 @@ all-to-all (n-1)/n); A = s/cp*b*h*e one micro-batch's activation on a CP rank, m
       Tied, pp > 1: the embedding group all-reduces V/t*h once.
   DP per bucket (n = dp cp; an expert bucket n = dp cp/ep): reduce-scatter (n-1)/n of its gradients; all-gather
       (n-1)/n of its parameters once (ZeRO-2) or for each F and each B, 2m times (ZeRO-3).
-Bytes each rank HOLDS at its peak, P dense parameters a rank (n = dp cp), P_E expert ones (n_E = dp cp/ep): parameters
-P*ep (ZeRO-3: P/n*ep + the buckets in use), gradients P*eg (added up under no_sync) + P/n*eg reduced; AdamW
-2P/n*eg (+4P/n fp32 master for narrower parameters); the same for P_E over n_E; activations: stage p keeps
-min(pp - p, m) micro-batches', each s/cp*b/t*e*(4h + (4H + 3H_kv)d + 4 ffn) a dense layer (flash attention;
-a mixture's are not in this form, nor checked); the last stage also its logits and their gradient.
+Bytes each rank HOLDS at its peak (e_p, e_g: bytes a parameter, a gradient element), P dense parameters a rank over
+n = dp cp ranks and P_E expert ones over n_E = dp cp/ep, each part in its own ZeRO: parameters P e_p (ZeRO-3: P/n
+e_p + the buckets in use), gradients P e_g (added up under no_sync) + P/n e_g reduced; AdamW 2P/n e_g (+4P/n fp32
+master for narrower parameters); the same for P_E over n_E; activations: stage p keeps min(pp - p, m)
+micro-batches', each about s/cp*b/t*e*(4h + (4H + 3H_kv)d + 4 ffn) a dense layer (flash attention; a mixture's
+follow the routing: not in this form); the last stage also its logits at s/cp and their gradient.
 
     torchrun --nproc-per-node=8 10_3d_parallel.py     (1-4 ranks too; ZERO=3: ZeRO-3; TIED=0: Llama 3's head)
 bench/10_scale.py evaluates these forms for any Llama on any grid: the seconds at link speeds, the bytes held.

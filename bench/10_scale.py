@@ -13,9 +13,10 @@ over its link's speed; a model shaped as a published Llama has its published par
 
 5D (GPUS=N, default 2048; GPU_GB, default 80): for a Llama 3 405B-like (128 layers, not 126: pp divides them) and a
 DeepSeek-V3-like MoE (64 layers, each 256 SwiGLU experts top-8 + a shared one; MLA as 128 plain heads), every
-dp x pp x cp x tp grid of N GPUs with ep over dp x cp: the bytes a rank of stage 0 holds (ZeRO-1: dense state
-over dp cp, experts' over dp cp/ep; a dense layer's activations a layer, a mixture's not counted) and the seconds
-one step's traffic takes (TP and CP on NVLink, the rest on InfiniBand, nothing overlapped); names the grid that
+dp x pp x cp x tp grid of N GPUs with ep over dp x cp: the bytes a rank of stage 0 holds (moe_memory, ZeRO-1:
+the dense weights' state over dp cp, the experts' over dp cp/ep, asserted per part against a toy's in
+tests/check_10.py; activations at s/cp, every layer's as a dense one's, an estimate) and the seconds one step's
+traffic takes (TP and CP on NVLink, the rest on InfiniBand, nothing overlapped); names the grid that
 fits GPU_GB with the fewest seconds.
 """
 import math
@@ -88,6 +89,15 @@ def activations(c):
                                                          + 4 * c["ffn"])
 
 
+def moe_memory(g, stage, zero, dense, expert):
+    """step_memory of a rank of a dp x pp x cp x tp grid with ep, in two parts (g["dp"]: the dp x cp ranks): the
+    dense weights' (dense elements, over dp x cp; one micro-batch's activations and logits at s/cp tokens) and the
+    experts' (expert elements, over dp cp / ep; a mixture's activations are not in this form)."""
+    local = {**g, "seq": g["seq"] // g.get("cp", 1)}
+    return (step_memory({**local, "act": activations(local)}, stage, zero, dense),
+            step_memory({**g, "dp": g["dp"] // g.get("ep_size", 1), "act": 0, "vocab": 0}, stage, zero, expert))
+
+
 def docstring_sums(c, stage, zero, numel):
     """The bytes one step sends per group, from 10's docstring's sentences, summed by hand: TP 10 (t-1)/t A a layer
     and micro-batch, +2 (t-1)/t A (embedding) or +3 (t-1)/t A and the loss's 3 fp32 a token over t (head), the
@@ -123,8 +133,7 @@ def five_d(name, c, gpus, gpu_gb):
             g["expert_buckets"] = [-(-expert // (dp * cp // ep)) * (dp * cp // ep)] if expert else []
             link = lambda k: c["nvlink_GBps"] if k in ("tp", "cp") else c["ib_GBps"]
             sec = sum(float(b) / 1e9 / link(k) for (k, _), (_, b) in ten.step_traffic(g, 0).items())
-            held = sum(step_memory({**g, "act": activations({**g, "seq": c["seq"] // cp})}, 0, 1, dense).values()) + \
-                sum(step_memory({**g, "dp": dp * cp // ep, "act": 0, "vocab": 0}, 0, 1, expert).values())
+            held = sum(sum(part.values()) for part in moe_memory(g, 0, 1, dense, expert))
             rows.append((sec, held / 1e9, f"dp {dp} x pp {pp} x cp {cp} x tp {tp}, ep {ep}"))
     fits = sorted(r for r in rows if r[1] <= gpu_gb)
     assert rows and all(s > 0 and h > 0 for s, h, _ in rows), name

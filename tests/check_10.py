@@ -14,12 +14,15 @@
   micro-batches, then the reduced shard), AdamW's state and fp32 masters, activations min(pp - p, m) x one.
 - fewer K/V heads than TP ranks (tp = W, W/2 K/V heads, each on 2 ranks: 05's replication): one stage's loss
   and every gradient slice == one process, at 2, 4 and 8 ranks.
-- 5D (a Llama-MoE: 6 SwiGLU experts top-2 + a shared one): cp 2 x ep 2 (ZeRO-3, untied) at 2 ranks, dp 2 x cp 2,
-  ep 2 (edp 2) at 4, dp 2 x cp 2 x tp 2, ep 2 (ZeRO-3) at 8: before ZeRO's reduction every gradient's mean over
-  its group (dense: dp x cp; experts: edp, after / ep) == one process's; 10's run: the losses, every parameter,
-  one step's traffic (ring K/V, all-to-alls) == the closed forms; stage_numel (dense + experts) == the model's;
-  refusals: ep not dividing dp x cp, the sequence not dividing 2 cp tp, 6 experts over ep 4; at 2 and 3 ranks a
-  capacity factor that drops assignments (dp = ep = W) == one process applying 04's rule per source rank.
+- 5D (a Llama-MoE: 6 SwiGLU experts top-2 + a shared one), 2 micro-batches a replica, 3 AdamW steps in float64:
+  cp 2 x ep 2 (ZeRO-3, untied) at 2 ranks, dp 2 x cp 2, ep 2 (edp 2) at 4, dp 2 x cp 2 x tp 2, ep 2 (ZeRO-3) and
+  dp 2 x pp 2 x tp 2, ep 2 (tied) at 8 (the lesson runs pp 2 x cp 2 x tp 2): before ZeRO's reduction every
+  gradient's mean over its group (dense: dp x cp; experts: edp, after / ep) == one process's; the losses, every
+  parameter, one step's traffic (ring K/V, all-to-alls) == the closed forms; the bytes held, the dense weights' and
+  the experts' ZeRO's apart (parameters, gradients, AdamW) == bench/10_scale.py's moe_memory; stage_numel (dense +
+  experts) == the model's; refusals: ep not dividing dp x cp, the sequence not dividing 2 cp tp, 6 experts over
+  ep 4; at 2 and 3 ranks a capacity factor that drops assignments (dp = ep = W) == one process applying 04's rule
+  per source rank.
 The joint runs at 3 and 4 ranks (dp 3; tp 2 x dp 2), the rest at every world size. GRID=dpxppxtp trains that grid
 alone (float64, ZeRO-2, tied; refused in one line if it does not fit).
 """
@@ -377,7 +380,8 @@ def train_on(shape, zero, tied, dtype, device):
 
 # ---- 5D: context and expert parallelism with the rest, a Llama-MoE -------------------------------------------------
 FIVE_D = {2: [(dict(dp=1, pp=1, cp=2, tp=1, ep=2), 3, 0)], 4: [(dict(dp=2, pp=1, cp=2, tp=1, ep=2), 2, 1)],
-          8: [(dict(dp=2, pp=1, cp=2, tp=2, ep=2), 3, 0)]}          # (grid, zero, tied); the lesson: pp2 x cp2 x tp2
+          8: [(dict(dp=2, pp=1, cp=2, tp=2, ep=2), 3, 0), (dict(dp=2, pp=2, cp=1, tp=2, ep=2), 2, 1)]}
+FIVE_D_M = 2                         # (grid, zero, tied); micro-batches a replica (the lesson: M, pp2 x cp2 x tp2)
 
 
 def five_d_refusals(world):
@@ -401,26 +405,29 @@ def five_d_refusals(world):
 
 
 def five_d(shape, zero, tied, device):
-    """A Llama-MoE on a 5D grid, float64, against one process: before ZeRO's reduction every gradient's mean over
-    its group (dense: dp x cp; an expert: edp) == the one-process gradient's slice (AdamW alone would hide a wrong
-    scale), then 10's own run: STEPS losses, every parameter, one step's traffic == the closed forms."""
-    grid = ten.Grid(shape["dp"], shape["pp"], shape["tp"], pg_timeout(), cp=shape["cp"], ep=shape["ep"])
+    """A Llama-MoE on a 5D grid, float64, STEPS AdamW steps against one process on the same batch (each replica's
+    first FIVE_D_M micro-batches): before ZeRO's reduction every gradient's mean over its group (dense: dp x cp; an
+    expert: edp) == the one-process gradient's slice (AdamW alone would hide a wrong scale); the losses, every
+    parameter after, one step's traffic == the closed forms; the bytes held by the dense weights and by the
+    experts' own ZeRO (parameters, gradients summed and reduced, AdamW's) == bench/10_scale.py's moe_memory."""
+    grid, m = ten.Grid(shape["dp"], shape["pp"], shape["tp"], pg_timeout(), cp=shape["cp"], ep=shape["ep"]), FIVE_D_M
     head(f"5D: dp {shape['dp']} x pp {shape['pp']} x cp {shape['cp']} x tp {shape['tp']}, ep {shape['ep']} (edp "
-         f"{shape['dp'] * shape['cp'] // shape['ep']}), ZeRO-{zero}, {'tied' if tied else 'untied'}: gradients first")
+         f"{shape['dp'] * shape['cp'] // shape['ep']}), ZeRO-{zero}, {'tied' if tied else 'untied'}, {m} micro-batches")
     torch.manual_seed(0)
     llama = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, ten.KV_HEADS, ten.FFN, ten.LAYERS, tied, F64, **ten.MOE)
     llama = llama.to(device)
-    total = ten.stage_numel(dict(ten.toy_config(grid, zero, tied, ten.MOE), tp=1, pp=1, ep_size=1), 0)
-    experts = ten.stage_numel(dict(ten.toy_config(grid, zero, tied, ten.MOE), tp=1, pp=1, ep_size=1), 0, True)
-    assert total + experts == sum(p.numel() for p in llama.parameters()), (total, experts)
+    c = dict(ten.toy_config(grid, zero, tied, ten.MOE), m=m, bucket_mb=1024)
+    whole = dict(c, tp=1, pp=1, ep_size=1)
+    assert ten.stage_numel(whole, 0) + ten.stage_numel(whole, 0, True) == sum(p.numel() for p in llama.parameters())
     model, optimizer = ten.parallelize(llama, grid, zero, **HYPER)
+    opt, stage, n_dp = torch.optim.AdamW(llama.parameters(), **HYPER), model.module, grid.dp_size * grid.cp_size
     comm = ten.pipeline.P2PCommunicator((ten.SEQ // grid.cp_size // grid.tp_size, ten.MICRO, ten.HIDDEN), F64,
                                         device, grid.pp)
-    ids, targets = ten.batch(0, grid.dp_size, device)
-    F.cross_entropy(llama(ids).flatten(0, 1), targets.flatten()).backward()
-    want, rows = slices(llama, grid, [p.grad for p in llama.parameters()]), slice(grid.d * ten.M * ten.MICRO,
-                                                                                 (grid.d + 1) * ten.M * ten.MICRO)
-    stage, n_dp = model.module, grid.dp_size * grid.cp_size
+    parts, held = [(model, optimizer), (model.experts, model.expert_optimizer)], {}
+    for i, (wrapper, o) in enumerate(parts):                      # after the reduction: the reduced shards
+        o.register_step_pre_hook(lambda *_, i=i, w=wrapper: held.__setitem__(i, held_bytes([b.opt.grad for b in
+                                                                                           w.buckets])))
+    rows, summed = slice(grid.d * m * ten.MICRO, (grid.d + 1) * m * ten.MICRO), []
 
     def mean_is_reference():                                      # after finalize_grads, before the reduction
         for name, p in stage.named_parameters():
@@ -428,10 +435,38 @@ def five_d(shape, zero, tied, device):
             dist.all_reduce(mean, group=grid.edp if p.expert else grid.dp)
             torch.testing.assert_close(mean / (n_dp // grid.ep_size if p.expert else n_dp), want[name], rtol=1e-9,
                                        atol=1e-13, msg=lambda s: f"grad {name}: {s}")
-    ten.train_step(model, optimizer, comm, list(ids[rows].split(ten.MICRO)), list(targets[rows].split(ten.MICRO)),
-                   mean_is_reference)
-    log("every gradient's mean over its group (dense over dp x cp, experts over edp, / ep) == one process's")
-    ten.count_traffic(ten.train(grid, device, zero, tied, ten.MOE), grid, zero, tied, ten.MOE)
+    for step in range(ten.STEPS):
+        ids, targets = (t.unflatten(0, (grid.dp_size, -1))[:, :m * ten.MICRO].flatten(0, 1)
+                        for t in ten.batch(step, grid.dp_size, device))
+        opt.zero_grad()
+        ref_loss = F.cross_entropy(llama(ids).flatten(0, 1), targets.flatten())
+        ref_loss.backward()
+        want = slices(llama, grid, [p.grad for p in llama.parameters()]) if step == 0 else None
+        opt.step()
+        check = mean_is_reference if step == 0 else (lambda: summed.extend(  # the summed gradients, at their peak
+            held_bytes([b.grad for b in w.buckets]) for w, _ in parts)) if step == 1 else None
+        with traffic() if step == 1 else contextlib.nullcontext() as counted:
+            loss = ten.train_step(model, optimizer, comm, list(ids[rows].split(ten.MICRO)),
+                                  list(targets[rows].split(ten.MICRO)), check)
+        if step == 1:
+            calls, reduced = counted.calls, dict(held)
+        assert (loss is not None) == grid.is_last, loss
+        if grid.is_last:
+            dist.all_reduce(loss, group=grid.dp)
+            torch.testing.assert_close(loss / n_dp, ref_loss.detach(), rtol=1e-12, atol=0)
+    got, want = model.state_dict(), slices(llama, grid)
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-12, msg=lambda s: f"{name}: {s}")
+    ten.traffic_is(calls, grid, c)
+    forms = calc.moe_memory(c, grid.p, zero, c["buckets"][0], c["expert_buckets"][0])
+    for (wrapper, o), form, at_peak, after in zip(parts, forms, summed, (reduced[0], reduced[1]), strict=True):
+        params, state = zero_bytes(wrapper, o)
+        assert (params, at_peak + after, state) == (form["parameters"], form["gradients"], form["optimizer"]), \
+            (dist.get_rank(), params, at_peak, after, state, form)
+    log(f"every gradient's mean over its group (dense over dp x cp, experts over edp, / ep) == one process's; the "
+        f"loss of {ten.STEPS} steps, every parameter (experts too) == one process; one step's traffic == the closed "
+        f"forms; bytes held (dense, experts) == moe_memory")
 
 
 def capped_llama(llama, ids, group, cf):
