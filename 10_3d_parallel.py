@@ -45,8 +45,9 @@ Bytes each rank HOLDS at its peak (e_p, e_g: bytes a parameter, a gradient eleme
 n = dp cp ranks and P_E expert ones over n_E = dp cp/ep, each part in its own ZeRO: parameters P e_p (ZeRO-3: P/n
 e_p + the buckets in use), gradients P e_g (added up under no_sync) + P/n e_g reduced; AdamW 2P/n e_g (+4P/n fp32
 master for narrower parameters); the same for P_E over n_E; activations: stage p keeps min(pp - p, m)
-micro-batches', each about s/cp*b/t*e*(4h + (4H + 3H_kv)d + 4 ffn) a dense layer (flash attention; a mixture's
-follow the routing: not in this form); the last stage also its logits at s/cp and their gradient.
+micro-batches', each s/cp*b/t*e*(6h + 2 + (4H + 3H_kv)d + H + 4 ffn) + 2 s/cp d e a dense layer (the norms' input,
+1/rms, output; q, k, v, qkv, the attention's output twice and lse: flash, no s^2; SwiGLU's 4; RoPE's cos, sin; a
+mixture's follow the routing: not in this form); the last stage also its logits at s/cp and their gradient.
 
     torchrun --nproc-per-node=8 10_3d_parallel.py     (1-4 ranks too; ZERO=3: ZeRO-3; TIED=0: Llama 3's head)
 bench/10_scale.py evaluates these forms for any Llama on any grid: the seconds at link speeds, the bytes held.

@@ -80,13 +80,14 @@ def step_memory(c, stage, zero, numel=None):
 
 
 def activations(c):
-    """Bytes one layer keeps for backward from one micro-batch on one TP rank (SP, a flash attention kernel: no
-    s^2 term): per token s*b/t, the norms' inputs and the column layers' gathered slices (4h), q, k, v with the
-    fused qkv output they view and the attention output twice (4H + 3H_kv heads of d), gate, up, silu(gate) and
-    their product (4 ffn), in e bytes."""
+    """Bytes one dense layer keeps for backward from one micro-batch on one TP rank (SP, a flash attention kernel: no
+    s^2 term), c["seq"] the rank's positions of a sequence (s/cp under CP): per token s*b/t, each RMSNorm its input,
+    1/rms and the normalised input (2 x (2h + 1)), the column layers' local slices (2h), q, k, v with the fused qkv
+    output they view and the attention output twice ((4H + 3H_kv) d), the attention's log-sum-exp (H), gate, up,
+    silu(gate) and their product (4 ffn); per position RoPE's cos and sin for q and k (2d); in e bytes."""
     d = c["hidden"] // c["heads"]
-    return c["seq"] * c["micro"] // c["tp"] * c["e"] * (4 * c["hidden"] + (4 * c["heads"] + 3 * c["kv_heads"]) * d
-                                                         + 4 * c["ffn"])
+    per_token = 6 * c["hidden"] + 2 + (4 * c["heads"] + 3 * c["kv_heads"]) * d + c["heads"] + 4 * c["ffn"]
+    return c["e"] * (c["seq"] * c["micro"] // c["tp"] * per_token + 2 * c["seq"] * d)
 
 
 def moe_memory(g, stage, zero, dense, expert):

@@ -12,6 +12,8 @@
   forms (a middle stage joins no tied-weight all-reduce); in bf16 (fp32 gradients and master) with e = 2,
   eg = 4, ep = 2; the bytes each rank holds == step_memory: parameters, gradients (the stage's summed over the
   micro-batches, then the reduced shard), AdamW's state and fp32 masters, activations min(pp - p, m) x one.
+- one dense layer's activations (autograd's saved tensors from one micro-batch) == the docstring's form, to the
+  byte, on cp x tp in 1, 2 (s/cp b/t tokens, RoPE's tables at s/cp) at every world size they fit;
 - fewer K/V heads than TP ranks (tp = W, W/2 K/V heads, each on 2 ranks: 05's replication): one stage's loss
   and every gradient slice == one process, at 2, 4 and 8 ranks.
 - 5D (a Llama-MoE: 6 SwiGLU experts top-2 + a shared one), 2 micro-batches a replica, 3 AdamW steps in float64:
@@ -378,6 +380,32 @@ def train_on(shape, zero, tied, dtype, device):
         + f"; bytes held == step_memory" + (f" (activations: {k} x {kept[0]} on rank 0)" if kept else ""))
 
 
+def layer_activations(world, device):
+    """What one dense layer keeps for backward from one micro-batch (autograd's saved tensors, parameters left out)
+    == bench/10_scale.py's activations() on each cp x tp of W ranks (cp, tp in 1, 2), float64: s/cp b/t tokens."""
+    head("one dense layer's activations under CP and TP, measured, against the docstring's form")
+    shapes = [(cp, tp) for cp in (1, 2) for tp in (1, 2) if world % (cp * tp) == 0]
+    torch.manual_seed(0)
+    llama = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, ten.KV_HEADS, ten.FFN, 2, False, F64).to(device)
+    ids = ten.batch(0, 1, device)[0][:ten.MICRO]
+    for cp, tp in shapes:
+        grid = ten.Grid(world // (cp * tp), 1, tp, pg_timeout(), cp=cp)
+        stage = ten.LlamaStage(llama, grid)
+        skip = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        x = stage.tok_embeddings((seq_par.zigzag_shard(ids, 1, grid.cp) if cp > 1 else ids).t())
+        for blk in stage.layers:
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                x = x + blk.attention(blk.attention_norm(x))
+                x = x + blk.feed_forward(blk.ffn_norm(x))
+            want = calc.activations(dict(hidden=ten.HIDDEN, heads=ten.HEADS, kv_heads=ten.KV_HEADS, ffn=ten.FFN,
+                                         seq=ten.SEQ // cp, micro=ten.MICRO, tp=tp, e=8))
+            got = held_bytes([t for t in saved if t.untyped_storage().data_ptr() not in skip])
+            assert got == want, (cp, tp, got, want)
+    log(f"each layer keeps activations(s/cp, tp) bytes exactly on cp x tp = "
+        f"{', '.join(f'{cp} x {tp}' for cp, tp in shapes)}")
+
+
 # ---- 5D: context and expert parallelism with the rest, a Llama-MoE -------------------------------------------------
 FIVE_D = {2: [(dict(dp=1, pp=1, cp=2, tp=1, ep=2), 3, 0)], 4: [(dict(dp=2, pp=1, cp=2, tp=1, ep=2), 2, 1)],
           8: [(dict(dp=2, pp=1, cp=2, tp=2, ep=2), 3, 0), (dict(dp=2, pp=2, cp=1, tp=2, ep=2), 2, 1)]}
@@ -572,6 +600,7 @@ def main():
             compose(world, device)
         if world % 2 == 0:                                        # tp = W > W/2 K/V heads: replicated
             replicated_kv(world, device)
+        layer_activations(world, device)
         five_d_refusals(world)
         if world in (2, 3):                                       # 6 experts over ep 2, 3
             capacity(world, device)
