@@ -18,7 +18,8 @@
   and every gradient slice == one process, at 2, 4 and 8 ranks.
 - 5D (a Llama-MoE: 6 SwiGLU experts top-2 + a shared one), 2 micro-batches a replica, 3 AdamW steps in float64:
   cp 2 x ep 2 (ZeRO-3, untied) at 2 ranks, dp 2 x cp 2, ep 2 (edp 2) at 4, dp 2 x cp 2 x tp 2, ep 2 (ZeRO-3) and
-  dp 2 x pp 2 x tp 2, ep 2 (tied) at 8 (the lesson runs pp 2 x cp 2 x tp 2): before ZeRO's reduction every
+  dp 2 x pp 2 x tp 2, ep 2 (tied) and pp 4 x cp 2, ep 2 (middle stages, one with a mixture; tied) at 8 (the
+  lesson runs pp 2 x cp 2 x tp 2): before ZeRO's reduction every
   gradient's mean over its group (dense: dp x cp; experts: edp, after / ep) == one process's; the losses, every
   parameter, one step's traffic (ring K/V, all-to-alls) == the closed forms; the bytes held, the dense weights' and
   the experts' ZeRO's apart (parameters, gradients, AdamW) == bench/10_scale.py's moe_memory; stage_numel (dense +
@@ -410,7 +411,8 @@ def layer_activations(world, device):
 # ---- 5D: context and expert parallelism with the rest, a Llama-MoE -------------------------------------------------
 FIVE_D = {2: [(dict(dp=1, pp=1, cp=2, tp=1, ep=2), 3, 0, F64), (dict(dp=1, pp=1, cp=2, tp=1, ep=2), 2, 1, BF16)],
           4: [(dict(dp=2, pp=1, cp=2, tp=1, ep=2), 2, 1, F64)],
-          8: [(dict(dp=2, pp=1, cp=2, tp=2, ep=2), 3, 0, F64), (dict(dp=2, pp=2, cp=1, tp=2, ep=2), 2, 1, F64)]}
+          8: [(dict(dp=2, pp=1, cp=2, tp=2, ep=2), 3, 0, F64), (dict(dp=2, pp=2, cp=1, tp=2, ep=2), 2, 1, F64),
+              (dict(dp=1, pp=4, cp=2, tp=1, ep=2), 2, 1, F64)]}        # middle stages 1 (a mixture) and 2
 FIVE_D_M = 2                  # (grid, zero, tied, dtype); micro-batches a replica (the lesson: M, pp2 x cp2 x tp2)
 
 
@@ -456,7 +458,8 @@ def five_d(shape, zero, tied, dtype, device):
     opt, stage, n_dp = torch.optim.AdamW(llama.parameters(), **HYPER), model.module, grid.dp_size * grid.cp_size
     comm = ten.pipeline.P2PCommunicator((ten.SEQ // grid.cp_size // grid.tp_size, ten.MICRO, ten.HIDDEN), dtype,
                                         device, grid.pp)
-    parts, held = [(model, optimizer), (model.experts, model.expert_optimizer)], {}
+    parts, held = [(model, optimizer)] + [(model.experts, model.expert_optimizer)] * bool(c["expert_buckets"]), {}
+    assert (model.experts is None) == (not c["expert_buckets"])  # a stage without a mixture: no experts' ZeRO
     for i, (wrapper, o) in enumerate(parts):                      # after the reduction: the reduced shards
         o.register_step_pre_hook(lambda *_, i=i, w=wrapper: held.__setitem__(i, held_bytes([b.opt.grad for b in
                                                                                            w.buckets])))
@@ -494,8 +497,8 @@ def five_d(shape, zero, tied, dtype, device):
     for name, w in want.items() if f64 else ():
         torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-12, msg=lambda s: f"{name}: {s}")
     ten.traffic_is(calls, grid, c)
-    forms = calc.moe_memory(c, grid.p, zero, c["buckets"][0], c["expert_buckets"][0])
-    for (wrapper, o), form, at_peak, after in zip(parts, forms, summed, (reduced[0], reduced[1]), strict=True):
+    forms = calc.moe_memory(c, grid.p, zero, c["buckets"][0], sum(c["expert_buckets"]))[:len(parts)]
+    for (wrapper, o), form, at_peak, after in zip(parts, forms, summed, [reduced[i] for i in range(len(parts))], strict=True):
         params, state = zero_bytes(wrapper, o)
         assert (params, at_peak + after, state) == (form["parameters"], form["gradients"], form["optimizer"]), \
             (dist.get_rank(), params, at_peak, after, state, form)
