@@ -184,13 +184,29 @@ def readme_commands():
     return found
 
 
-def test_readme_commands_run(tmp_path):
+def launched_elsewhere(env, n, script):
+    """The test of this file that launches this README command as the test below would (the script, its ranks, its
+    settings; test_world_size at 2 ranks also leaves through interpreter shutdown) and checks it passed, or None."""
+    if not env and script in LESSONS + CHECKS and n in WORLD_SIZES:
+        return f"test_world_size[{script}-{n}]"
+    if not env and script in BENCHES and n == 2:
+        return f"test_bench_runs_small[{script}]"                  # BENCH_SMALL=1, as below
+    if set(env) == {"TRACE"} and n == 2 and script in TRACED:
+        return TRACED[script]                                       # TRACE=its tmp_path, as below
+    return None
+
+
+def test_readme_commands_run(tmp_path, request):
     """Each lesson, check script, benchmark and trace command README.md shows runs as written (its world size, its
-    settings; benchmarks small), through the fast launcher; 10's scale example is checked in tests/suite_10.py."""
+    settings; benchmarks small), through the fast launcher; 10's scale example is checked in tests/suite_10.py.
+    A command whose very launch another selected test makes (05 at 4 ranks is test_world_size's) runs there, once."""
     commands = [c for c in readme_commands() if "hidden=" not in c[2]]
     assert len({c[2] for c in commands}) >= 5, commands
+    selected = {item.name for item in request.session.items}
     for env, n, script in commands:
         assert (HERE / script).exists(), script
+        if launched_elsewhere(env, n, script) in selected:
+            continue
         env = {k: (str(tmp_path) if k == "TRACE" else v) for k, v in env.items()}
         if script.startswith("bench/"):
             env["BENCH_SMALL"] = "1"
@@ -332,14 +348,21 @@ def test_importing_a_lesson_starts_nothing_and_prints_nothing():
 TORCHRUN_LESSONS = [f for f in LESSONS if f.startswith("09_")]  # buckets, hooks, async work in flight at exit
 
 
+def _without_torchrun_env():
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", TORCHRUN_LESSONS)
 def test_torchrun(script):
     """A lesson under the real torchrun (2 processes, for the suite's time): fresh processes, with imports,
-    warnings and exits as a user sees them. For the suite's time one lesson here; the 2-node test runs 05,
-    `python FILE` 01, the refusal 04, and `TORCHRUN_ALL=1` runs every other lesson too."""
-    [(code, out)] = run_cmd([torchrun() + ["--nproc-per-node=2", "--standalone", script]])
-    check_torchrun(code, out)
+    warnings and exits as a user sees them. Started as `python FILE` with NPROC=2, which runs FILE under torchrun
+    itself (its first line says so; one launch proves both, for the suite's time). For the suite's time one lesson
+    here; the 2-node test runs 05, the refusal 04, and `TORCHRUN_ALL=1` runs every other lesson too."""
+    [(code, out)] = run_cmd([[sys.executable, script]], env={**_without_torchrun_env(), "NPROC": "2"})
+    assert "torchrun --standalone --nproc-per-node=2" in out.splitlines()[0], out
+    check_torchrun(code, "\n".join(out.splitlines()[1:]))
 
 
 @pytest.mark.slow
@@ -349,17 +372,6 @@ def test_torchrun_all(script):
         pytest.skip("TORCHRUN_ALL=1 runs every lesson under torchrun --nproc-per-node=4")
     [(code, out)] = run_cmd([torchrun() + ["--nproc-per-node=4", "--standalone", script]])
     check_torchrun(code, out)
-
-
-@pytest.mark.slow
-def test_python_file_relaunches_undertorchrun():
-    """`python FILE` runs FILE under torchrun itself (NPROC processes)."""
-    _has_lessons()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    [(code, out)] = run_cmd([[sys.executable, LESSONS[0]]], env={**env, "NPROC": "1"})
-    assert "torchrun --standalone --nproc-per-node=1" in out.splitlines()[0], out
-    check_torchrun(code, "\n".join(out.splitlines()[1:]))
 
 
 @pytest.mark.slow
@@ -453,6 +465,10 @@ def test_exits_never_abort(script, request):
 
 
 # ---- traces, common.py ------------------------------------------------------------------------------------------
+TRACED = {"08_pipeline_1f1b.py": "test_trace_of_08_shows_every_op_of_each_schedule_in_order",
+          "09_ddp_zero2.py": "test_trace_of_09_shows_all_reduces_under_backward"}  # traced(script, tmp_path) at 2
+
+
 def traced(script, tmp_path, world=2):
     """Run `script` with TRACE=tmp_path: it passes, prints nothing on stderr (the profiler's own log lines
     included), and leaves one file with a process row per rank and a range per section. -> (events, stdout)"""
