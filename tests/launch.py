@@ -1,10 +1,10 @@
 """The suite's launchers, used by test_all.py and by the lesson suites tests/suite_NN.py.
 
 - launch(script, world): a fast launcher with torchrun's environment contract (RANK, WORLD_SIZE, LOCAL_RANK,
-  LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). A "zygote" process imports torch once; each rank is forked from
-  it, runs the script as __main__ and then leaves like any Python program (interpreter shutdown, atexit, thread
-  joins), so a crash at exit shows here as it would under torchrun. A run costs a fraction of a second instead
-  of seconds of imports. Its ranks also check NCCL's contract on the CPU: a collective or P2P call handed a
+  LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). A "zygote" process imports torch once (one for a whole pytest run,
+  its xdist workers included: conftest.py starts it); each rank is forked from it, runs the script as __main__
+  and then leaves like any Python program (interpreter shutdown, atexit, thread joins), so a crash at exit shows
+  here as it would under torchrun. A run costs a fraction of a second instead of seconds of imports. Its ranks also check NCCL's contract on the CPU: a collective or P2P call handed a
   non-contiguous tensor, or one not on the lesson's device, fails the run naming the op and the line (gloo would
   accept it).
 - run_cmd(cmds): real processes (torchrun itself), side by side, each in its own session.
@@ -18,6 +18,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -167,8 +168,45 @@ def _rank(req: dict, rank: int):
     os._exit(code)  # skips interpreter shutdown (0.4 s a rank)
 
 
-def _zygote():
-    """`python test_all.py --zygote`: read one launch per line (JSON), fork its ranks, answer their exit codes."""
+def _serve(req: dict, conn) -> dict:
+    """In a process forked from the zygote for one launch: fork its ranks, wait for them, answer their exit codes."""
+    t0 = time.monotonic()
+    pids = []
+    for rank in range(len(req["env"])):
+        pid = os.fork()
+        if pid == 0:
+            conn.close()  # the rank keeps no copy of the answer's socket
+            _rank(req, rank)  # never returns
+        pids.append(pid)
+    codes, first_exit, timed_out = [None] * len(pids), None, False
+    while None in codes:
+        for i, pid in enumerate(pids):
+            if codes[i] is None:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[i] = os.waitstatus_to_exitcode(status)  # -6: aborted by SIGABRT
+        now = time.monotonic()
+        if first_exit is None and any(c is not None for c in codes):
+            first_exit = now  # ranks leave together (after a barrier, or all refusing): a straggler is stuck
+        if None in codes and (now - t0 > req["deadline"] or (first_exit and now - first_exit > req["grace"])):
+            timed_out = now - t0 > req["deadline"]
+            for i, pid in enumerate(pids):
+                if codes[i] is None:
+                    os.kill(pid, signal.SIGKILL)
+                    codes[i] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        time.sleep(0.005)
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]  # this and ranks
+    return {"codes": codes, "timed_out": timed_out, "seconds": time.monotonic() - t0,
+            "cpu": sum(u.ru_utime + u.ru_stime for u in used)}
+
+
+def _zygote(address: str):
+    """`python tests/launch.py --zygote ADDRESS`: import torch once, then serve launches on the Unix socket ADDRESS,
+    several at a time (one forked process each: xdist's workers share this zygote); leave when stdin closes."""
+    import select
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(address)
+    server.listen(64)  # bound before the imports: a launch asked for meanwhile waits in the backlog
     import torch  # noqa: F401  (imported once, here; the forked ranks inherit it)
     import torch.distributed  # noqa: F401
     import torch.nn.functional  # noqa: F401
@@ -177,55 +215,88 @@ def _zygote():
     import torch._dynamo  # noqa: F401  (the first torch.optim optimizer imports it)
     import gc
     gc.freeze()  # what the ranks inherit is never collected: their exits take 0.4 s instead of 1.5 s
-    for line in sys.stdin:
-        req = json.loads(line)
-        t0 = time.monotonic()
-        pids = []
-        for rank in range(len(req["env"])):
-            pid = os.fork()
-            if pid == 0:
-                _rank(req, rank)  # never returns
-            pids.append(pid)
-        codes, first_exit, timed_out = [None] * len(pids), None, False
-        while None in codes:
-            for i, pid in enumerate(pids):
-                if codes[i] is None:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                    if done:
-                        codes[i] = os.waitstatus_to_exitcode(status)  # -6: aborted by SIGABRT
-            now = time.monotonic()
-            if first_exit is None and any(c is not None for c in codes):
-                first_exit = now  # ranks leave together (after a barrier, or all refusing): a straggler is stuck
-            if None in codes and (now - t0 > req["deadline"] or (first_exit and now - first_exit > req["grace"])):
-                timed_out = now - t0 > req["deadline"]
-                for i, pid in enumerate(pids):
-                    if codes[i] is None:
-                        os.kill(pid, signal.SIGKILL)
-                        codes[i] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            time.sleep(0.005)
-        print(json.dumps({"codes": codes, "timed_out": timed_out, "seconds": time.monotonic() - t0}), flush=True)
+    while True:
+        ready, _, _ = select.select([server, sys.stdin], [], [], 1.0)
+        while True:  # reap the launches that answered
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if sys.stdin in ready and not sys.stdin.buffer.read1(1):
+            break  # whoever started the zygote is done
+        if server in ready:
+            conn, _ = server.accept()
+            if os.fork() == 0:
+                server.close()
+                with conn.makefile("rw") as f:
+                    req = json.loads(f.readline())
+                    answer = _serve(req, conn)  # a rank that leaves by interpreter shutdown raises out of here
+                    f.write(json.dumps(answer) + "\n")
+                os._exit(0)
+            conn.close()
+    os.unlink(address)
+    os.rmdir(os.path.dirname(address))
 
 
+ZYGOTE_VARIABLE = "LESSON_ZYGOTE"  # the address of the zygote a test run shares (its workers and their children)
 _ZYGOTE = None
 
 
-def _zygote_process():
+def start_zygote() -> str:
+    """Start a zygote for this process and every process it starts (ZYGOTE_VARIABLE) and return its address;
+    conftest.py starts one for a whole pytest run, before xdist starts its workers."""
     global _ZYGOTE
-    if _ZYGOTE is None or _ZYGOTE.poll() is not None:
-        _ZYGOTE = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--zygote"], cwd=HERE,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        atexit.register(_ZYGOTE.kill)
-    return _ZYGOTE
+    address = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
+    _ZYGOTE = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--zygote", address], cwd=HERE,
+                               stdin=subprocess.PIPE)
+    atexit.register(stop_zygote)
+    os.environ[ZYGOTE_VARIABLE] = address
+    return address
+
+
+def stop_zygote():
+    if _ZYGOTE is not None and _ZYGOTE.poll() is None:
+        _ZYGOTE.stdin.close()  # the zygote leaves (its launches in flight answer first)
+        try:
+            _ZYGOTE.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _ZYGOTE.kill()
+
+
+def _ask_zygote(req: dict) -> dict:
+    address = os.environ.get(ZYGOTE_VARIABLE) or start_zygote()
+    with socket.socket(socket.AF_UNIX) as s:
+        for _ in range(600):
+            try:
+                s.connect(address)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if _ZYGOTE is not None and _ZYGOTE.poll() is not None:
+                    raise RuntimeError(f"the zygote exited with {_ZYGOTE.returncode}")
+                time.sleep(0.05)  # it is binding its socket
+        else:
+            raise RuntimeError(f"no zygote answers at {address}")
+        with s.makefile("rw") as f:
+            f.write(json.dumps(req) + "\n")
+            f.flush()
+            line = f.readline()
+    if not line:
+        raise RuntimeError(f"the zygote at {address} closed the launch of {req['script']} unanswered")
+    return json.loads(line)
 
 
 class Run:
-    """What one launch left: exit codes, each rank's stdout and stderr, and whether it hit the deadline."""
+    """What one launch left: exit codes, each rank's stdout and stderr, whether it hit the deadline, its seconds
+    and the CPU seconds its ranks used."""
 
-    def __init__(self, codes, outs, errs, timed_out, seconds):
+    def __init__(self, codes, outs, errs, timed_out, seconds, cpu=0.0):
         self.codes, self.outs, self.errs, self.timed_out, self.seconds = codes, outs, errs, timed_out, seconds
+        self.cpu = cpu
 
     def report(self) -> str:
-        lines = [f"exit codes {self.codes}, {self.seconds:.1f} s" + (", TIMED OUT" if self.timed_out else "")]
+        lines = [f"exit codes {self.codes}, {self.seconds:.1f} s (CPU {self.cpu:.1f} s)"
+                 + (", TIMED OUT" if self.timed_out else "")]
         for r, (o, e) in enumerate(zip(self.outs, self.errs)):
             lines.append(f"---- rank {r} stdout ----\n{o}---- rank {r} stderr ----\n{e}")
         return "\n".join(lines)
@@ -244,13 +315,10 @@ def launch(script: str, world: int, extra_env=None, deadline: float = RUN_DEADLI
     req = {"script": str(script), "env": env, "dir": str(tmp), "deadline": deadline, "contract": contract,
            "without_common": without_common, "real_exit": real_exit,
            "grace": grace}
-    zygote = _zygote_process()
-    zygote.stdin.write(json.dumps(req) + "\n")
-    zygote.stdin.flush()
-    answer = json.loads(zygote.stdout.readline())
+    answer = _ask_zygote(req)
     read = lambda p: p.read_text(errors="replace") if p.exists() else ""
     run = Run(answer["codes"], [read(tmp / f"{r}.out") for r in range(world)],
-              [read(tmp / f"{r}.err") for r in range(world)], answer["timed_out"], answer["seconds"])
+              [read(tmp / f"{r}.err") for r in range(world)], answer["timed_out"], answer["seconds"], answer["cpu"])
     shutil.rmtree(tmp, ignore_errors=True)
     return run
 
@@ -315,5 +383,5 @@ def check_torchrun(code, out):
     check_passed(Run([code], [out], [""], "TIMED OUT" in out, 0.0))
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
-    _zygote()
+if __name__ == "__main__" and sys.argv[1:2] == ["--zygote"]:
+    _zygote(sys.argv[2])
