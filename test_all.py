@@ -384,10 +384,10 @@ def test_refusal_under_torchrun_is_said_by_every_rank():
     assert code != 0 and {int(r) for r in REFUSED.findall(out)} == {0, 1, 2}, out
 
 
-@pytest.mark.slow
 def test_a_late_rank_still_says_its_refusal(tmp_path):
     """refuse() after setup() on the first rank waits for a rank that comes 3 s later, so torchrun does not kill it
-    unheard."""
+    unheard: the fast launcher kills the other ranks 0.1 s after the first one exits, as torchrun's agent does (its
+    --monitor-interval); torchrun itself kills them in the refusal test above."""
     script_ = probe(tmp_path, """
         import os, time
         import common
@@ -396,8 +396,9 @@ def test_a_late_rank_still_says_its_refusal(tmp_path):
             time.sleep(3)
         common.refuse("a probe that refuses")
     """)
-    [(code, out)] = run_cmd([torchrun() + ["--nproc-per-node=2", "--standalone", script_]], timeout=60)
-    assert code != 0 and {int(r) for r in REFUSED.findall(out)} == {0, 1}, out
+    run_ = launch(script_, 2, deadline=60, real_exit=False, grace=0.1)
+    assert not run_.timed_out and run_.codes[0] == 2, run_.report()
+    assert {int(r) for e in run_.errs for r in REFUSED.findall(e)} == {0, 1}, run_.report()
 
 
 @pytest.mark.slow
