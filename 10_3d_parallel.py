@@ -265,9 +265,10 @@ class LlamaStage(nn.Module):
         return self.output(self.norm(x)) if self.is_last else x      # logits [s, b, V/tp]
 
 
-def parallelize(llama, grid, zero=2, bucket_cap_mb=1024, **adamw):
+def parallelize(llama, grid, zero=2, bucket_cap_mb=25, **adamw):
     """torchtitan's recipe on this rank: the pipeline stage with TP, SP and vocabulary parallelism (LlamaStage),
-    an AdamW over it, then ZeRO-2 or ZeRO-3 over grid.dp (09's wrapper; it keeps the grid) -> (model, optimizer).
+    an AdamW over it, then ZeRO-2 or ZeRO-3 over grid.dp (09's wrapper, buckets of bucket_cap_mb as torch DDP's;
+    it keeps the grid) -> (model, optimizer).
     The experts (p.expert) are left out of it: a second ZeRO over grid.edp, with its own AdamW, holds them
     (model.experts, model.expert_optimizer; None without experts); state_dict() gives both, by the stage's names."""
     stage, wrap = LlamaStage(llama, grid), data_par.ZeRO2 if zero == 2 else data_par.ZeRO3

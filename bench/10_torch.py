@@ -4,19 +4,19 @@ weights, the same data, AdamW, full training steps, pp = 1, one line each grid a
     torchrun --nproc-per-node=4 bench/10_torch.py       (2 ranks too; BENCH_SMALL=1: 10's toy sizes, two rounds)
 
 Ours: 10's Grid(dp, pp=1, tp), parallelize (05's TP + SP, 07's vocabulary-parallel embedding, head and loss, 09's
-ZeRO-2 or ZeRO-3 over dp) and train_step (one micro-batch). Theirs, torchtitan's parallelize_llama on a 2-D
-init_device_mesh (dp, tp): apply_tp's plan through parallelize_module on the tp dimension (tok_embeddings
-RowwiseParallel -> Shard(1), the norms SequenceParallel, PrepareModuleInput Shard(1) -> Replicate on attention and
-feed_forward, wq/wk/wv/w1/w3 ColwiseParallel, wo/w2 RowwiseParallel -> Shard(1), output ColwiseParallel ->
-Shard(-1) under loss_parallel), then FSDP2 fully_shard per block and the root over the dp dimension
-(reshard_after_forward=False beside ZeRO-2, True, FSDP2's default, beside ZeRO-3); as torchtitan, no TP at tp = 1,
-no FSDP at dp = 1. Grids: 2 ranks dp1 x tp2 and dp2 x tp1, 4 ranks dp2 x tp2, 1 rank dp1 x tp1. Asserted first, in
-float64: every step's loss of ours == torch's (rtol 1e-9) over 3 AdamW steps and then every parameter shard (ours ==
-10's parallelize of a Llama holding torch's full_tensor()s); then, in fp32, rounds of one step each interleave, the
-order reversed every other round; a step's time is the slowest rank's (the max over ranks, checked against every
-rank's own); a ratio is the median of per-round ratios. The untied head (10's TIED=0, Llama 3's): torch's
-parallelize_module does not keep a tied weight. Default: vocab 4096, hidden 256, 8/4 heads, ffn 768, 4 layers, 4 x
-128 tokens a replica, BENCH_ROUNDS=8. Table: bench/README.md.
+ZeRO-2 or ZeRO-3 over dp in buckets of one block's bytes, as FSDP2 shards block by block) and train_step (one
+micro-batch). Theirs, torchtitan's parallelize_llama on a 2-D init_device_mesh (dp, tp): apply_tp's plan through
+parallelize_module on the tp dimension (tok_embeddings RowwiseParallel -> Shard(1), the norms SequenceParallel,
+PrepareModuleInput Shard(1) -> Replicate on attention and feed_forward, wq/wk/wv/w1/w3 ColwiseParallel, wo/w2
+RowwiseParallel -> Shard(1), output ColwiseParallel -> Shard(-1) under loss_parallel), then FSDP2 fully_shard per
+block and the root over the dp dimension (reshard_after_forward=False beside ZeRO-2, True, FSDP2's default, beside
+ZeRO-3); as torchtitan, no TP at tp = 1, no FSDP at dp = 1. Grids: 2 ranks dp1 x tp2 and dp2 x tp1, 4 ranks dp2 x
+tp2, 1 rank dp1 x tp1. Asserted first, in float64: every step's loss of ours == torch's (rtol 1e-9) over 3 AdamW
+steps and then every parameter shard (ours == 10's parallelize of a Llama holding torch's full_tensor()s); then, in
+fp32, rounds of one step each interleave, the order reversed every other round; a step's time is the slowest rank's
+(the max over ranks, checked against every rank's own); a ratio is the median of per-round ratios. The untied head
+(10's TIED=0, Llama 3's): torch's parallelize_module does not keep a tied weight. Default: vocab 4096, hidden 256,
+8/4 heads, ffn 768, 4 layers, 4 x 128 tokens a replica, BENCH_ROUNDS=8. Table: bench/README.md.
 """
 import copy
 import os
@@ -173,7 +173,8 @@ def main():
         def build(dtype, zero):
             torch.manual_seed(0)
             llama = m.Llama(**cfg, tied=False, dtype=dtype).to(device)
-            ours = m.parallelize(llama, grid, zero=zero, **HYPER)
+            block = sum(p.numel() * p.element_size() for p in llama.layers[0].parameters()) / 2 ** 20
+            ours = m.parallelize(llama, grid, zero=zero, bucket_cap_mb=block, **HYPER)   # a bucket a block, as FSDP2
             comm = m.pipeline.P2PCommunicator((seq // tp, rows, cfg["hidden"]), dtype, device, grid.pp)
             theirs = torch_parallelize(llama, mesh, zero == 2, rope_)
             return llama, ours, comm, theirs
