@@ -384,7 +384,8 @@ def train_on(shape, zero, tied, dtype, device):
 
 def layer_activations(world, device):
     """What one dense layer keeps for backward from one micro-batch (autograd's saved tensors, parameters left out)
-    == bench/10_scale.py's activations() on each cp x tp of W ranks (cp, tp in 1, 2), float64: s/cp b/t tokens."""
+    == bench/10_scale.py's activations(), as moe_memory gives it to the 5D table (at s/cp), on each cp x tp of W ranks
+    (cp, tp in 1, 2), float64."""
     head("one dense layer's activations under CP and TP, measured, against the docstring's form")
     shapes = [(cp, tp) for cp in (1, 2) for tp in (1, 2) if world % (cp * tp) == 0]
     torch.manual_seed(0)
@@ -400,8 +401,9 @@ def layer_activations(world, device):
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
                 x = x + blk.attention(blk.attention_norm(x))
                 x = x + blk.feed_forward(blk.ffn_norm(x))
-            want = calc.activations(dict(hidden=ten.HIDDEN, heads=ten.HEADS, kv_heads=ten.KV_HEADS, ffn=ten.FFN,
-                                         seq=ten.SEQ // cp, micro=ten.MICRO, tp=tp, e=8))
+            one = dict(hidden=ten.HIDDEN, heads=ten.HEADS, kv_heads=ten.KV_HEADS, ffn=ten.FFN, seq=ten.SEQ, cp=cp,
+                       micro=ten.MICRO, tp=tp, e=8, eg=8, ep=8, dp=1, pp=1, m=1, layers=1, vocab=0)   # one layer
+            want = calc.moe_memory(one, 0, 2, 0, 0)[0]["activations"]   # the 5D table's: activations() at s/cp
             got = held_bytes([t for t in saved if t.untyped_storage().data_ptr() not in skip])
             assert got == want, (cp, tp, got, want)
     log(f"each layer keeps activations(s/cp, tp) bytes exactly on cp x tp = "
@@ -460,6 +462,8 @@ def five_d(shape, zero, tied, dtype, device):
                                         device, grid.pp)
     parts, held = [(model, optimizer)] + [(model.experts, model.expert_optimizer)] * bool(c["expert_buckets"]), {}
     assert (model.experts is None) == (not c["expert_buckets"])  # a stage without a mixture: no experts' ZeRO
+    assert [b.numel for b in model.buckets] == c["buckets"] and [b.numel for b in (model.experts.buckets if
+                                                                        model.experts else ())] == c["expert_buckets"]
     for i, (wrapper, o) in enumerate(parts):                      # after the reduction: the reduced shards
         o.register_step_pre_hook(lambda *_, i=i, w=wrapper: held.__setitem__(i, held_bytes([b.opt.grad for b in
                                                                                            w.buckets])))
