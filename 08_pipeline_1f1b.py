@@ -23,9 +23,8 @@ Bubbles, one tick per op (interleaved: a chunk's op, 1/v of a tick), messages fr
   ZB-H1        F = B = W = 1 tick: max(3m+p-1, 2m+2p-1) ticks; for m >= p, p-1 idle: (p-1)/(3m+p-1)
 The P2P layer (Megatron's p2p_communication.py): named calls on one communicate(send_next, send_prev, recv_prev,
 recv_next); a send waits for its receive, so where both ends of a link send (1F1B's steady state) each posts its
-send and receive in one call: send_forward_recv_backward meets send_backward_recv_forward. The runner posts one call
-after each F and B: what it made, and inputs to come, each waited for at its op (chunks: the next op's of its kind,
-as Megatron's overlap_p2p_comm; posted one by one, each F-B pair's inputs before it).
+send and receive in one call: send_forward_recv_backward meets send_backward_recv_forward. The runner posts one
+call after each unit of work (an F or a B; with chunks, Megatron's steady F-B pairs): what it made, what comes next.
 Bytes sent per step, A = one micro-batch's activation: m*A forward unless last, m*A backward unless first;
 interleaved (2v - [first] - [last]) m*A, in v times the messages; each message one transfer, one element longer (its
 flag; variable_shapes: padded, behind a 56-B header). Kept: the schedule's micro-batches (a sent output shrinks to one
@@ -109,11 +108,10 @@ class P2PCommunicator:
         return None if self.is_first else self.communicate(send_prev=input_grad, recv_prev=True)[0]
 
     def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False, wait_sends=True,
-                    meanwhile=lambda: None, wait_recvs=True):
+                    meanwhile=lambda: None):
         """The one routine under the named calls: (tensor from prev or None, from next or None), its receives waited
-        for (wait_recvs=False: a function that waits and returns them); meanwhile() runs while they travel (ZB-H1's
-        W). wait_sends=False leaves its sends in flight (the next F or B computes meanwhile) until the next call,
-        which waits for them first: one call's sends in flight."""
+        for; meanwhile() runs while they travel (ZB-H1's W). wait_sends=False leaves its sends in flight (the next F
+        or B computes meanwhile) until the next call, which waits for them first: one call's sends in flight."""
         sends = (send_next, send_prev)
         wrong = [self._said(f"stage {self.stage} cannot send a {t.dtype} tensor of shape {tuple(t.shape)}")
                  for t in sends if t is not None and self._bad(t.dtype, tuple(t.shape))]
@@ -123,27 +121,20 @@ class P2PCommunicator:
             for t, box in zip(sends, self._loop):
                 box += [t.detach()] if t is not None else []
             meanwhile()
-            got = self._loop[0].pop(0) if recv_prev else None, self._loop[1].pop(0) if recv_next else None
-            return got if wait_recvs else lambda: got
+            return self._loop[0].pop(0) if recv_prev else None, self._loop[1].pop(0) if recv_next else None
         self.wait_sends()                            # the previous call's sends, before this one's are made
         out = [[] if t is None else self._framed(t) for t in sends]
         inbox = [([torch.empty(2 + MAX_NDIM, dtype=torch.int64, device=self.device),
                    torch.empty(self.shape, dtype=self.dtype, device=self.device)] if self.variable_shapes else
                   [torch.empty(self._numel + 1, dtype=self.dtype, device=self.device)]) if want else []
                  for want in (recv_prev, recv_next)]
-        reqs = self._p2p(*out, *inbox, wait_sends, meanwhile)       # the receives' requests, not waited for
-        opened = lambda: self._opened(reqs, inbox, wrong)
-        return opened() if wait_recvs or wrong else opened
-
-    def _opened(self, reqs, inbox, wrong):           # wait for the receives (once: gloo's next wait would wait for
-        while reqs:                                  # another message); refuse, or unframe, what came
-            reqs.pop(0).wait()
+        self._p2p(*out, *inbox, wait_sends, meanwhile)
         got = []
         for box, peer in zip(inbox, ((self.stage - 1) % self.num_stages, (self.stage + 1) % self.num_stages)):
             said = f"stage {self.stage} got from stage {peer} a "
             if box and not self.variable_shapes:     # [the tensor, flag]: 0 what the pipeline moves, 1 refused
                 wrong += [self._said(said + "message its sender refused (zeros)")] * bool(box[0][-1].item())
-                box = [box[0][:-1].view(self.shape)]
+                box[0] = box[0][:-1].view(self.shape)
             elif box:                                # [header: dtype's index (-1: none), ndim, dims...], tensor
                 told = box[0].tolist()
                 dtype, shape = HEADER_DTYPES[told[0]] if told[0] >= 0 else None, tuple(told[2:2 + told[1]])
@@ -151,7 +142,7 @@ class P2PCommunicator:
                     wrong.append(self._said(said + f"{dtype or 'another dtype'} tensor of " + (
                         f"shape {shape}" if told[1] <= MAX_NDIM else f"{told[1]} dims")))
                 elif shape != self.shape:            # its corner
-                    box = [box[0], box[1][tuple(slice(0, n) for n in shape)].clone()]
+                    box[1] = box[1][tuple(slice(0, n) for n in shape)].clone()
             got.append(box[-1] if box else None)
         if wrong:
             raise ValueError(wrong[0])
@@ -186,7 +177,7 @@ class P2PCommunicator:
         self._in_flight = []
 
     def _p2p(self, send_next, send_prev, recv_prev, recv_next, wait_sends, meanwhile):
-        """Post the given transfers (a list of tensors each) as one call; run meanwhile(). -> its receives' requests"""
+        """Post the given transfers (a list of tensors each) as one call; run meanwhile(); wait for its receives."""
         ops, call, reqs = [], [], []                 # (each tensor contiguous, as NCCL takes them: made so)
         for op, t, step, second in _posting_order(self, send_next, send_prev, recv_prev, recv_next):
             ops.append(dist.P2POp(op, t, self.next if step > 0 else self.prev,
@@ -201,9 +192,8 @@ class P2PCommunicator:
         for req, o in zip(reqs, ops) if len(reqs) == len(ops) else ((r, None) for r in reqs):
             if o is not None and o.op is dist.isend and not wait_sends:
                 self._in_flight.append((req, o.tensor))                # keep the tensor alive until it is sent
-            elif o is None or o.op is dist.isend:
-                req.wait()                                             # (receives: waited for by the caller)
-        return [r for r, o in zip(reqs, ops) if o.op is dist.irecv] if len(reqs) == len(ops) else []
+            else:
+                req.wait()
 
 
 def _posting_order(comm, send_next, send_prev, recv_prev, recv_next):
@@ -344,27 +334,23 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
     v, last = len(chunks), p * len(chunks) - 1        # model chunk u = c*p + s; the loss follows model chunk `last`
     ops = [(o[0], o[1], o[2] if len(o) > 2 else 0) for o in schedule_fn(p, s, m)]
     _check_order(ops, p, s, m, v)
+    fwd, bwd = [o for o in ops if o[0] == "F"], [o for o in ops if o[0] == "B"]
     after, done = {}, []                              # ZB-H1: the Ws that follow each F or B
     for o in ops:
         after.setdefault(done[-1], []).append(o) if o[0] == "W" else done.append(o)
-    # units, one call after each: what it made out; in, the inputs of the ops `asks` names, each waited for just
-    # before its op. Each F and B, asking the next op's; with chunks, batched (Megatron's overlap_p2p_comm), the next
-    # of its kind's (the first B's after the op before it); one by one, Megatron's warm-up Fs, F-B pairs, cool-down Bs
-    (fwd, bwd), w = ([o for o in done if o[0] == k] for k in "FB"), min(2 * (p - s - 1) + (v - 1) * p, m * v)
-    pairs = v > 1 and not comm.batched
-    units = [[f] for f in fwd[:w]] + [list(fb) for fb in zip(fwd[w:], bwd)] + [[b] for b in bwd[m * v - w:]] \
-        if pairs else [[o] for o in done]
-    asks = units[1:] + [[]] if v == 1 or pairs else [[] for _ in done]
-    for j, o in enumerate(done[1:] if v > 1 and not pairs else [], 1):
-        asks[max([i for i in range(j) if done[i][0] == o[0]], default=j - 1)].append(o)
+    # units of work, one call after each (what the unit made out, what the next one needs in): each F and B; with
+    # chunks, Megatron's interleaved loop: warm-up Fs, steady F-B pairs (both inputs in one call), cool-down Bs
+    warmup = min(2 * (p - s - 1) + (v - 1) * p, m * v)
+    units = [[o] for o in done] if v == 1 else [[f] for f in fwd[:warmup]] + [
+        [f, b] for f, b in zip(fwd[warmup:], bwd)] + [[b] for b in bwd[m * v - warmup:]]
     held, store, got, loss, trace, start = {}, {}, {}, [], [], len(comm.log)
 
     def run(op):                                     # one F or B; returns what it sends on (None: nothing)
-        (kind, mb, c), taken = op, got.pop(op, lambda: None)()   # its input, waited for (None: data, the loss)
+        kind, mb, c = op
         u = c * p + s
         with torch.profiler.record_function(f"{kind} mb{mb} c{c}"):
             if kind == "F":
-                x = taken.requires_grad_() if u > 0 else inputs[mb]
+                x = got.pop(op).requires_grad_() if u > 0 else inputs[mb]
                 y, keep = forward_keeping(chunks[c], x) if after and u > 0 else (chunks[c](x), None)
                 if u == last:                        # the last model chunk: the loss
                     y = loss_fn(y, targets[mb]) / m
@@ -372,7 +358,8 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
                 held[(mb, c)] = (x, y, keep)
                 out = None if u == last else y       # sent as a copy: y is then deallocated
             else:
-                (x, y, keep), dy = held.pop((mb, c)), taken   # dy None where y is the loss
+                x, y, keep = held.pop((mb, c))
+                dy = got.pop(op) if u < last else None       # None where y is the loss
                 if after:                            # model chunk 0: no input gradient, its W the whole backward
                     dx, store[(mb, c)] = backward_input(x, y, dy, keep) if u > 0 else (None, (y, dy))
                 else:
@@ -382,25 +369,25 @@ def run_schedule(stages, schedule_fn, comm, inputs, targets, loss_fn):
         trace.append(op)
         return out
 
-    def posted(made):                                # while the call travels: what it sent is copied (backward
+    def posted(made, unit):                          # while the call travels: what it sent is copied (backward
         for o, t in made:                            # needs only an output's grad_fn, nothing an input's gradient);
-            if t is not None:                        # then the Ws the schedule runs after this op
+            if t is not None:                        # then the Ws the schedule runs after this unit
                 deallocate_output_tensor(t) if o[0] == "F" else t.set_()
-        for w in [w for op, _ in made for w in after.get(op, [])]:
+        for w in [w for op in unit for w in after.get(op, [])]:
             with torch.profiler.record_function(f"W mb{w[1]} c{w[2]}"):
                 torch.autograd.backward(*store.pop(w[1:])) if w[2] * p + s == 0 else backward_weight(store.pop(w[1:]))
             trace.append(w)
 
-    def call(made, asked):                           # send what `made` holds; receive the inputs `asked` takes,
-        needs = [o for o in asked if (o[2] * p + s > 0 if o[0] == "F" else o[2] * p + s < last)]
+    def call(made, unit, done):                      # send what `made` holds; receive what `unit` needs
+        needs = [o for o in unit if (o[2] * p + s > 0 if o[0] == "F" else o[2] * p + s < last)]
         sends = {("send_next" if o[0] == "F" else "send_prev"): t for o, t in made if t is not None}
-        opened = comm.communicate(**sends, recv_prev=any(o[0] == "F" for o in needs), recv_next=any(
-            o[0] == "B" for o in needs), wait_sends=False, wait_recvs=False, meanwhile=lambda: posted(made))
-        got.update({o: lambda k=o[0] == "B": opened()[k] for o in needs})
+        a, b = comm.communicate(**sends, recv_prev=any(o[0] == "F" for o in needs), recv_next=any(
+            o[0] == "B" for o in needs), wait_sends=False, meanwhile=lambda: posted(made, done))
+        got.update({o: a if o[0] == "F" else b for o in needs})
 
-    call([], units[0])                               # the first unit's inputs
-    for unit, asked in zip(units, asks):
-        call([(op, run(op)) for op in unit], asked)
+    call([], units[0], [])                           # the first unit's input
+    for i, unit in enumerate(units):
+        call([(op, run(op)) for op in unit], units[i + 1] if i + 1 < len(units) else [], unit)
     comm.wait_sends()
     return sum(loss) if loss else None, trace, comm.log[start:]
 

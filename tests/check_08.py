@@ -3,15 +3,15 @@
   sum <S x, y> = sum <x, S^T y>; at even W all four transfers at once round the ring, replayed as blocking sends;
 - every schedule (1F1B, GPipe, ZB-H1, interleaved v = 2, 3), p <= 8, m <= 12: orders worked by hand, micro-batch
   order, B after F, W after B, micro-batches held and ticks == the closed forms; run_schedule's calls on every
-  stage of each (m <= 8; at the W = 2 launch), recorded in one process, replay as NCCL runs them (each call one
-  group; one by one too, but interleaved's batched calls, posted early), every message received whole, one transfer
-  (the tensor and its flag; variable shapes: its header just before it);
+  stage of each (m <= 8; at the W = 2 launch), recorded in one process, replay as NCCL runs them (one by one; each
+  call one group), every message received whole, one transfer (the tensor and its flag; variable shapes: its header
+  just before it);
 - on the world, every schedule batched, 1F1B and interleaved also one by one, == one process (loss, every
   gradient); bytes kept == the model's closed form within [-8 B, A/2) (memory(), to the byte), one call's sends in
   flight, bytes and messages sent == the closed form (a flag an element, or a header), nothing left after the
-  step; run_schedule(1F1B) posts the calls of 1F1B written out; micro-batches of different lengths at m = 1,
-  m < p, m > p (GPipe and ZB-H1 one by one); the two-stage trick's second group; two pipelines at once on strided
-  sub-groups, token ids in, cross-entropy out, non-contiguous activations;
+  step; run_schedule(1F1B) posts the calls of 1F1B written out; micro-batches of different lengths at m = 1, m < p, m > p (GPipe and ZB-H1 one by
+  one); the two-stage trick's second group; two pipelines at once on strided sub-groups, token ids in,
+  cross-entropy out, non-contiguous activations;
 - ZB-H1: B then W == the ordinary backward bit for bit; every .grad contiguous, in autograd's layout, each
   parameter's post-accumulate-grad hook once a micro-batch (as 1F1B); 09's DDP on each stage of a pp x dp grid ==
   one process under ZB-H1 and 1F1B; the tied embedding summed over the first and last stage exactly on gloo, from
@@ -104,9 +104,8 @@ class Recorder(m.P2PCommunicator):
     """Stage `stage` of a pipeline of p, in this one process: each call runs communicate() as it is, notes in
     self.log the ops it would post, and receives zeros flagged as what this pipeline moves."""
 
-    def __init__(self, p, stage, shape=(1, 1), batched=True):
+    def __init__(self, p, stage, shape=(1, 1)):
         self.num_stages, self.stage, self.group, self.second_group, self.log = p, stage, None, None, []
-        self.batched = batched
         self.is_first, self.is_last = stage == 0, stage == p - 1
         self.shape, self.dtype, self.device, self.variable_shapes = shape, F64, torch.device("cpu"), False
         self._in_flight, self._loop, self._numel = [], ([], []), torch.Size(shape).numel()
@@ -122,7 +121,6 @@ class Recorder(m.P2PCommunicator):
                 t.zero_()
         if meanwhile is not None:
             meanwhile()
-        return []                                    # its receives: done
 
 
 # ---- the schedules, pure, and the runner's calls for every p ---------------------------------------------------
@@ -165,18 +163,16 @@ def schedules_checked(rank, world):
             assert max(m.op_ticks(traces, 1, {"F": 1, "B": 2}).values()) == 3 * (mb + p - 1), (p, mb)
         if p > 1 and mb <= 8 and world == 2:        # run_schedule's calls on every stage, recorded here (the
             # same at every world size: the launch at W = 2 runs them, its two ranks half each)
-            for batched in (True, False) if v > 1 else (True,):   # one chunk: the same calls either way
-                logs = []
-                for s in range(p):
-                    comm = Recorder(p, s, batched=batched)
-                    chunks = [nn.Linear(1, 1, dtype=F64) for _ in range(v)]
-                    _, trace, calls = m.run_schedule(chunks[0] if v == 1 else chunks, m.schedule(fn, v), comm,
-                                                     [torch.zeros(1, 1, dtype=F64)] * mb, [None] * mb,
-                                                     lambda y, t: y.sum())
-                    assert trace == traces[s] and calls == comm.log and framed(comm.log, 8 + FLAG), (fn, p, s, mb)
-                    logs.append(comm.log)
-                # each call one group where batched; one by one where posted so (and one chunk's, batched too)
-                assert replays_batched(logs) and (batched and v > 1 or replays(one_by_one(logs))), (fn, v, p, mb)
+            logs = []
+            for s in range(p):
+                comm = Recorder(p, s)
+                chunks = [nn.Linear(1, 1, dtype=F64) for _ in range(v)]
+                _, trace, calls = m.run_schedule(chunks[0] if v == 1 else chunks, m.schedule(fn, v), comm,
+                                                 [torch.zeros(1, 1, dtype=F64)] * mb, [None] * mb,
+                                                 lambda y, t: y.sum())
+                assert trace == traces[s] and calls == comm.log and framed(comm.log, 8 + FLAG), (fn, p, s, mb)
+                logs.append(comm.log)
+            assert replays(one_by_one(logs)) and replays_batched(logs), (NAME[fn], v, p, mb)
             replayed += 1
     counts = torch.tensor([replayed])
     dist.all_reduce(counts)
@@ -326,22 +322,23 @@ def working_set(chunk, x, target, last, split, mb, first=False):
 
 def runner_steps(p, s, v, ops):
     """run_schedule's walk on stage s, from its rule: [("call", [(send | recv, op)]) or ("op", op)]: a call for the
-    first op's input; then each F and B, one call (what it made; the inputs of the next op, with chunks of the
-    next op of its kind and of the first B after the op before it), inside which the Ws that follow it run."""
+    first unit's inputs; then each unit's ops, one call (what they made, the next unit's inputs), inside which the
+    Ws that follow them run. Units: each F and B; with chunks, Megatron's warm-up Fs, F-B pairs, cool-down Bs."""
     last, core = p * v - 1, [o for o in ops if o[0] != "W"]
-    asks = [[] for _ in core]
-    for j, o in enumerate(core[1:], 1):
-        same = [i for i in range(j) if core[i][0] == o[0]]
-        asks[j - 1 if v == 1 or not same else same[-1]].append(o)
+    fwd, bwd = [o for o in core if o[0] == "F"], [o for o in core if o[0] == "B"]
+    w = min(2 * (p - s - 1) + (v - 1) * p, len(fwd))
+    units = [[o] for o in core] if v == 1 else ([[f] for f in fwd[:w]] + [list(fb) for fb in zip(fwd[w:], bwd)]
+                                                + [[b] for b in bwd[len(fwd) - w:]])
     needs = lambda u: [("recv", o) for o in u if (o[2] * p + s > 0 if o[0] == "F" else o[2] * p + s < last)]
     makes = lambda u: [("send", o) for o in u if (o[2] * p + s < last if o[0] == "F" else o[2] * p + s > 0)]
     after, prev = {}, None
     for o in ops:
         after.setdefault(prev, []).append(o) if o[0] == "W" else None
         prev = o if o[0] != "W" else prev
-    steps = [("call", needs(core[:1]))]
-    for o, asked in zip(core, asks):
-        steps += [("op", o), ("call", makes([o]) + needs(asked))] + [("op", w_) for w_ in after.get(o, [])]
+    steps = [("call", needs(units[0]))]
+    for i, u in enumerate(units):
+        steps += [("op", o) for o in u] + [("call", makes(u) + (needs(units[i + 1]) if i + 1 < len(units) else []))]
+        steps += [("op", w_) for o in u for w_ in after.get(o, [])]
     return steps
 
 
@@ -436,8 +433,7 @@ def check_pipeline(full, device, runs, variable=False, group=None, second_group=
                 assert mem.peak // kept[0][0] == expected_peak(fn if fn is not loop_1f1b else m.schedule_1f1b, p,
                                                                s, mb, v)["B"], (NAME.get(fn), s, mem.peak)
             assert left == held_bytes([loss] if loss is not None else []), (NAME.get(fn), s, left)
-        assert comm.in_flight <= (a + (HEADER if variable else FLAG)) * (1 + (v > 1 and not batched)) * (p > 1), (
-            s, comm.in_flight)
+        assert comm.in_flight <= (a + (HEADER if variable else FLAG)) * (1 + (v > 1)) * (p > 1), (s, comm.in_flight)
         sends = (2 * v - (s == 0) - (s == p - 1)) * mb if p > 1 else 0            # messages this stage sends
         per_side = mb * (a + HEADER) if variable else sum(n * HIDDEN * 8 for n in rows) + mb * FLAG
         assert t.counts["send"] == (1 + variable) * sends and t.bytes["send"] == sends // mb * per_side, (s, t.bytes)
@@ -450,9 +446,8 @@ def check_pipeline(full, device, runs, variable=False, group=None, second_group=
     dist.all_gather_object(everyone, mine)
     results = [[r[i] for r in everyone if r[i] is not None] for i in range(len(runs))]
     for (fn, batched, _), stages in zip(runs, results):
-        logs = [r["log"] for r in stages]            # NCCL: each call one group; one by one where posted so
-        one_chunk = fn is not m.schedule_interleaved_1f1b    # (and one chunk's calls, batched too)
-        assert replays_batched(logs) and (batched and not one_chunk or replays(one_by_one(logs))), NAME.get(fn)
+        logs = [r["log"] for r in stages]            # NCCL: isend/irecv one by one, or each call one group
+        assert replays(one_by_one(logs)) and replays_batched(logs), NAME.get(fn, "loop")
     return results
 
 
