@@ -236,11 +236,12 @@ class LlamaStage(nn.Module):
         if n % grid.pp_size:
             raise ValueError(f"{n} layers do not split evenly over {grid.pp_size} pipeline stages")
         per, self.is_first, self.is_last = n // grid.pp_size, grid.is_first, grid.is_last
+        mine = llama.layers[grid.p * per:(grid.p + 1) * per]         # this stage's layers
         self.layers = nn.ModuleList(nn.ModuleDict(dict(
             attention_norm=copy.deepcopy(blk.attention_norm), ffn_norm=copy.deepcopy(blk.ffn_norm),
             attention=Attention(blk.attention, llama.heads, llama.kv_heads, tp, getattr(grid, "cp", None)),
             feed_forward=feed_forward(blk.feed_forward, tp) if isinstance(blk.feed_forward, SwiGLU) else
-            MoE(blk.feed_forward, llama.top_k, grid, capacity_factor))) for blk in llama.layers[grid.p * per:(grid.p + 1) * per])
+            MoE(blk.feed_forward, llama.top_k, grid, capacity_factor))) for blk in mine)
         if self.is_first:                      # reduce-scattered to [s/tp, b, h] (Megatron's reduce_scatter_embeddings)
             self.tok_embeddings = vocab_par.VocabParallelEmbedding.from_dense(llama.tok_embeddings, tp,
                                                                                sequence_parallel=True)

@@ -157,8 +157,9 @@ def main():
     rope_ = lambda t, pos: rope(t, pos, layout="bshd", base=5e5)       # 10's: Llama 3's base
     rank, world, device = setup()
     from torch.distributed.device_mesh import init_device_mesh
-    head(f"a Llama ({', '.join(f'{k} {v}' for k, v in cfg.items())}), {rows} x {seq} tokens a replica, full AdamW steps, {rounds} rounds; "
-         f"{dist.get_backend()}, {world} ranks, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    head(f"a Llama ({', '.join(f'{k} {v}' for k, v in cfg.items())}), {rows} x {seq} tokens a replica, full AdamW "
+         f"steps, {rounds} rounds; {dist.get_backend()}, {world} ranks, load average {os.getloadavg()[0]:.1f} on "
+         f"{os.cpu_count()} cores")
     for dp, tp in GRIDS[world]:
         grid = m.Grid(dp=dp, pp=1, tp=tp, timeout=pg_timeout())
         mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))

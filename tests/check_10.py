@@ -16,17 +16,16 @@
   byte, on cp x tp in 1, 2 (s/cp b/t tokens, RoPE's tables at s/cp) at every world size they fit;
 - fewer K/V heads than TP ranks (tp = W, W/2 K/V heads, each on 2 ranks: 05's replication): one stage's loss
   and every gradient slice == one process, at 2, 4 and 8 ranks.
-- 5D (a Llama-MoE: 6 SwiGLU experts top-2 + a shared one), 2 micro-batches a replica, 3 AdamW steps in float64:
-  cp 2 x ep 2 (ZeRO-3, untied) at 2 ranks, dp 2 x cp 2, ep 2 (edp 2) at 4, dp 2 x cp 2 x tp 2, ep 2 (ZeRO-3) and
-  dp 2 x pp 2 x tp 2, ep 2 (tied) and pp 4 x cp 2, ep 2 (middle stages, one with a mixture; tied) at 8 (the
-  lesson runs pp 2 x cp 2 x tp 2): before ZeRO's reduction every
-  gradient's mean over its group (dense: dp x cp; experts: edp, after / ep) == one process's; the losses, every
-  parameter, one step's traffic (ring K/V, all-to-alls) == the closed forms; the bytes held, the dense weights' and
-  the experts' ZeRO's apart (parameters, gradients, AdamW) == bench/10_scale.py's moe_memory; stage_numel (dense +
-  experts) == the model's; cp 2 x ep 2 again in bf16 (fp32 gradients and master): the first loss within 2^-7,
-  traffic and bytes held == the forms; refusals: ep not dividing dp x cp, the sequence not dividing 2 cp tp, 6
-  experts over ep 4; at 2 and 3 ranks a capacity factor that drops assignments (dp = ep = W) == one process applying 04's rule
-  per source rank.
+- 5D (a Llama-MoE: 6 SwiGLU experts top-2 + a shared one), 2 micro-batches a replica, 3 AdamW steps in float64: cp 2
+  x ep 2 (ZeRO-3, untied) at 2 ranks, dp 2 x cp 2, ep 2 (edp 2) at 4, dp 2 x cp 2 x tp 2, ep 2 (ZeRO-3) and dp 2 x
+  pp 2 x tp 2, ep 2 (tied) and pp 4 x cp 2, ep 2 (middle stages, one with a mixture; tied) at 8 (the lesson runs pp
+  2 x cp 2 x tp 2): before ZeRO's reduction every gradient's mean over its group (dense: dp x cp; experts: edp,
+  after / ep) == one process's; the losses, every parameter, one step's traffic (ring K/V, all-to-alls) == the
+  closed forms; the bytes held, the dense weights' and the experts' ZeRO's apart (parameters, gradients, AdamW) ==
+  bench/10_scale.py's moe_memory; stage_numel (dense + experts) == the model's; cp 2 x ep 2 again in bf16 (fp32
+  gradients and master): the first loss within 2^-7, traffic and bytes held == the forms; refusals: ep not dividing
+  dp x cp, the sequence not dividing 2 cp tp, 6 experts over ep 4; at 2 and 3 ranks a capacity factor that drops
+  assignments (dp = ep = W) == one process applying 04's rule per source rank.
 The joint runs at 3 and 4 ranks (dp 3; tp 2 x dp 2), the rest at every world size. GRID=dpxppxtp trains that grid
 alone (float64, ZeRO-2, tied; refused in one line if it does not fit).
 """
@@ -308,6 +307,22 @@ def slices(llama, grid, values=None):
     return {n: p.detach() for n, p in ten.LlamaStage(llama, grid).named_parameters(remove_duplicate=False)}
 
 
+def keep_reduced(wrapper, optimizer, held, key):
+    """held[key] = the bytes of the wrapper's reduced gradient shards, read as its optimizer steps (after the DP
+    reduction, before AdamW: the shards at their peak)."""
+    optimizer.register_step_pre_hook(lambda *_: held.__setitem__(key, held_bytes([b.opt.grad for b in
+                                                                                 wrapper.buckets])))
+
+
+def parameters_are(model, llama, grid, values=True):
+    """model.state_dict() has the names of the stage built from the one-process llama, and (values) every
+    parameter shard == its slice of llama's."""
+    got, want = model.state_dict(), slices(llama, grid)
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for name, w in want.items() if values else ():
+        torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-12, msg=lambda s: f"{name}: {s}")
+
+
 def train_on(shape, zero, tied, dtype, device):
     grid, f64 = ten.Grid(*shape, timeout=pg_timeout()), dtype == F64
     sizes = dict(e=8, eg=8, ep=8) if f64 else dict(e=2, eg=4, ep=2)
@@ -332,8 +347,7 @@ def train_on(shape, zero, tied, dtype, device):
     opt = torch.optim.AdamW(llama.parameters(), **HYPER)
     rows = slice(grid.d * ten.M * ten.MICRO, (grid.d + 1) * ten.M * ten.MICRO)
     held, kept = {}, []
-    optimizer.register_step_pre_hook(                              # after the reduction: the reduced shard
-        lambda *_: held.__setitem__("reduced", held_bytes([b.opt.grad for b in model.buckets])))
+    keep_reduced(model, optimizer, held, "reduced")
     steps = ten.STEPS if f64 else 2                               # bf16: traffic and bytes only
     for step in range(steps):
         ids, targets = ten.batch(step, grid.dp_size, device)
@@ -365,10 +379,7 @@ def train_on(shape, zero, tied, dtype, device):
             torch.testing.assert_close(loss / grid.dp_size, ref_loss.detach(), rtol=1e-12, atol=0)
     assert fused == dict.fromkeys(columns, steps * ten.M), fused
     if f64:
-        got, want = model.state_dict(), slices(llama, grid)
-        assert got.keys() == want.keys(), (sorted(got), sorted(want))
-        for name, w in want.items():
-            torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-12, msg=lambda s: f"{name}: {s}")
+        parameters_are(model, llama, grid)
     want = calc.step_memory({**c, "act": 0, "bucket_mb": 1024}, grid.p, zero, c["buckets"][0])
     k = min(grid.pp_size - grid.p, ten.M)                         # 1F1B: micro-batches in flight on stage p
     params, state = zero_bytes(model, optimizer)
@@ -448,8 +459,8 @@ def five_d(shape, zero, tied, dtype, device):
     grid, m, f64 = ten.Grid(shape["dp"], shape["pp"], shape["tp"], pg_timeout(), cp=shape["cp"], ep=shape["ep"]), \
         FIVE_D_M, dtype == F64
     head(f"5D: dp {shape['dp']} x pp {shape['pp']} x cp {shape['cp']} x tp {shape['tp']}, ep {shape['ep']} (edp "
-         f"{shape['dp'] * shape['cp'] // shape['ep']}), ZeRO-{zero}, {'tied' if tied else 'untied'}, {m} micro-batches, "
-         f"{'float64' if f64 else 'bf16 (fp32 gradients and master)'}")
+         f"{shape['dp'] * shape['cp'] // shape['ep']}), ZeRO-{zero}, {'tied' if tied else 'untied'}, {m} "
+         f"micro-batches, {'float64' if f64 else 'bf16 (fp32 gradients and master)'}")
     torch.manual_seed(0)
     llama = ten.Llama(ten.VOCAB, ten.HIDDEN, ten.HEADS, ten.KV_HEADS, ten.FFN, ten.LAYERS, tied, dtype, **ten.MOE)
     llama = llama.to(device)
@@ -464,9 +475,8 @@ def five_d(shape, zero, tied, dtype, device):
     assert (model.experts is None) == (not c["expert_buckets"])  # a stage without a mixture: no experts' ZeRO
     assert [b.numel for b in model.buckets] == c["buckets"] and [b.numel for b in (model.experts.buckets if
                                                                         model.experts else ())] == c["expert_buckets"]
-    for i, (wrapper, o) in enumerate(parts):                      # after the reduction: the reduced shards
-        o.register_step_pre_hook(lambda *_, i=i, w=wrapper: held.__setitem__(i, held_bytes([b.opt.grad for b in
-                                                                                           w.buckets])))
+    for i, (wrapper, o) in enumerate(parts):
+        keep_reduced(wrapper, o, held, i)
     rows, summed = slice(grid.d * m * ten.MICRO, (grid.d + 1) * m * ten.MICRO), []
 
     def mean_is_reference():                                      # after finalize_grads, before the reduction
@@ -483,26 +493,24 @@ def five_d(shape, zero, tied, dtype, device):
             ref_loss = F.cross_entropy(llama(ids).flatten(0, 1).to(F64 if f64 else F32), targets.flatten())
             ref_loss.backward()
             want = slices(llama, grid, [p.grad for p in llama.parameters()]) if step == 0 else None
-            opt.step() if f64 else None
-        check = mean_is_reference if step == 0 and f64 else (lambda: summed.extend(  # the summed gradients, at their peak
-            held_bytes([b.grad for b in w.buckets]) for w, _ in parts)) if step == 1 else None
+            if f64:
+                opt.step()
+        check = mean_is_reference if step == 0 and f64 else (lambda: summed.extend(  # the summed gradients, at
+            held_bytes([b.grad for b in w.buckets]) for w, _ in parts)) if step == 1 else None   # their peak
         with traffic() if step == 1 else contextlib.nullcontext() as counted:
             loss = ten.train_step(model, optimizer, comm, list(ids[rows].split(ten.MICRO)),
                                   list(targets[rows].split(ten.MICRO)), check)
         if step == 1:
-            calls, reduced = counted.calls, dict(held)
+            calls, reduced = counted.calls, [held[i] for i in range(len(parts))]
         assert (loss is not None) == grid.is_last, loss
         if grid.is_last and (f64 or step == 0):
             dist.all_reduce(loss, group=grid.dp)
             torch.testing.assert_close(loss / n_dp, ref_loss.detach().to(loss.dtype), rtol=1e-12 if f64 else 2 ** -7,
                                        atol=0)
-    got, want = model.state_dict(), slices(llama, grid)
-    assert got.keys() == want.keys(), (sorted(got), sorted(want))
-    for name, w in want.items() if f64 else ():
-        torch.testing.assert_close(got[name], w, rtol=1e-10, atol=1e-12, msg=lambda s: f"{name}: {s}")
+    parameters_are(model, llama, grid, values=f64)
     ten.traffic_is(calls, grid, c)
     forms = calc.moe_memory(c, grid.p, zero, c["buckets"][0], sum(c["expert_buckets"]))[:len(parts)]
-    for (wrapper, o), form, at_peak, after in zip(parts, forms, summed, [reduced[i] for i in range(len(parts))], strict=True):
+    for (wrapper, o), form, at_peak, after in zip(parts, forms, summed, reduced, strict=True):
         params, state = zero_bytes(wrapper, o)
         assert (params, at_peak + after, state) == (form["parameters"], form["gradients"], form["optimizer"]), \
             (dist.get_rank(), params, at_peak, after, state, form)
