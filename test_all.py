@@ -143,7 +143,8 @@ def test_one_keyword_selects_every_test_of_one_lesson():
     """`-k lessonNN` (conftest.py) collects lesson NN's demo and check script at every world size, its paste check,
     its benchmarks, and no other lesson's file; pytest itself does the selecting for one lesson."""
     from conftest import lesson_of
-    collect = [sys.executable, "-m", "pytest", "test_all.py", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"]
+    collect = [sys.executable, "-m", "pytest", "test_all.py", "--collect-only", "-q", "-n", "0", "-p",
+               "no:cacheprovider"]
     (code, out), (code5, out5) = run_cmd([collect, collect + ["-k", "lesson05"]], timeout=120)
     assert code == code5 == 0, out + out5
     ids, picked = ([i.split("::", 1)[1] for i in o.split() if i.startswith("test_all.py::")] for o in (out, out5))

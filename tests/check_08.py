@@ -9,9 +9,9 @@
 - on the world, every schedule batched, 1F1B and interleaved also one by one, == one process (loss, every
   gradient); bytes kept == the model's closed form within [-8 B, A/2) (memory(), to the byte), one call's sends in
   flight, bytes and messages sent == the closed form (a flag an element, or a header), nothing left after the
-  step; run_schedule(1F1B) posts the calls of 1F1B written out; micro-batches of different lengths at m = 1, m < p, m > p (GPipe and ZB-H1 one by
-  one); the two-stage trick's second group; two pipelines at once on strided sub-groups, token ids in,
-  cross-entropy out, non-contiguous activations;
+  step; run_schedule(1F1B) posts the calls of 1F1B written out; micro-batches of different lengths at m = 1,
+  m < p, m > p (GPipe and ZB-H1 one by one); the two-stage trick's second group; two pipelines at once on strided
+  sub-groups, token ids in, cross-entropy out, non-contiguous activations;
 - ZB-H1: B then W == the ordinary backward bit for bit; every .grad contiguous, in autograd's layout, each
   parameter's post-accumulate-grad hook once a micro-batch (as 1F1B); 09's DDP on each stage of a pp x dp grid ==
   one process under ZB-H1 and 1F1B; the tied embedding summed over the first and last stage exactly on gloo, from

@@ -4,9 +4,9 @@
   LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). A "zygote" process imports torch once (one for a whole pytest run,
   its xdist workers included: conftest.py starts it); each rank is forked from it, runs the script as __main__
   and then leaves like any Python program (interpreter shutdown, atexit, thread joins), so a crash at exit shows
-  here as it would under torchrun. A run costs a fraction of a second instead of seconds of imports. Its ranks also check NCCL's contract on the CPU: a collective or P2P call handed a
-  non-contiguous tensor, or one not on the lesson's device, fails the run naming the op and the line (gloo would
-  accept it).
+  here as it would under torchrun. A run costs a fraction of a second instead of seconds of imports. Its ranks
+  also check NCCL's contract on the CPU: a collective or P2P call handed a non-contiguous tensor, or one not on the
+  lesson's device, fails the run naming the op and the line (gloo would accept it).
 - run_cmd(cmds): real processes (torchrun itself), side by side, each in its own session.
 - check_passed(run): every rank exited 0, rank 0's last line is "[R0] all checks passed: ...", no rank printed
   a warning or aborted.
@@ -341,7 +341,8 @@ def probe(tmp_path, code: str) -> str:
 
 
 
-PASTE_HEADER = "import torch\nimport torch.distributed as dist\nimport torch.nn as nn\nimport torch.nn.functional as F\n"
+PASTE_HEADER = ("import torch\nimport torch.distributed as dist\nimport torch.nn as nn\n"
+                "import torch.nn.functional as F\n")
 
 
 def building_blocks(path: Path) -> str:
