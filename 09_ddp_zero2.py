@@ -111,6 +111,9 @@ class _WrappedParameter(nn.Parameter):
     def grad(self, value):
         torch.Tensor.grad.__set__(self, value)
 
+    def _accumulated(self):  # its post-accumulate-grad hook, holding nothing (torch never frees a cycle through one)
+        self._dp_owner._on_grad(self._dp_bucket, self)
+
 
 class DDP(nn.Module):
     """Data parallelism in buckets: every rank holds everything; gradients are all-reduced bucket by bucket.
@@ -157,7 +160,7 @@ class DDP(nn.Module):
             b.opt = b.local if b.local.dtype == wide else b.local.to(wide)  # bf16: an fp32 master copy
             for p in b.params:
                 p.__class__, p._dp_owner, p.grad_added_to_main_grad = _WrappedParameter, self, False
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b))
+                p.register_post_accumulate_grad_hook(_WrappedParameter._accumulated)
         for g, options in enumerate(optimizer.param_groups):  # your optimizer now steps the buckets' tensors
             options["params"] = [b.opt for (h, _), b in zip(runs, self.buckets) if h == g]
         optimizer.register_step_pre_hook(lambda *_: self._unreduced("optimizer.step()"))

@@ -9,11 +9,11 @@
   sub-groups, with AdamW groups and SGD; every collective counted against the closed forms, each synced backward
   starting each bucket's reduction once; overlap: a reduction runs before backward's last gradient, and not
   with overlap=False (bit-equal);
-- bytes held == the closed forms; a step keeps 0 B; ZeRO's full-size gradients two adjacent buckets at most;
-  ZeRO-2's all-gathers in flight after a step (NaN), landed by forward (== one process); ZeRO-3's gathered
-  parameters at most the running modules' buckets and one prefetched (without prefetch: not that one), 0 B
-  before the first forward, a module run twice or skipped freed, a layer run alone gathered again by its
-  backward, a zero-size saved tensor not mistaken for a freed bucket;
+- bytes held == the closed forms; a dropped wrapper frees its model; a step keeps 0 B; ZeRO's full-size gradients
+  two adjacent buckets at most; ZeRO-2's all-gathers in flight after a step (NaN), landed by forward (== one
+  process); ZeRO-3's gathered parameters at most the running modules' buckets and one prefetched (without
+  prefetch: not that one), 0 B before the first forward, a module run twice or skipped freed, a layer run alone
+  gathered again by its backward, a zero-size saved tensor not mistaken for a freed bucket;
 - bf16: fp32 masters and gradients, gathers in bf16, within 2^-6 of one process; gathered() writes reach the
   master; resume from optimizer.state_dict() bit-equal (the masters ride in it);
 - Megatron's main_grad handshake (fused, tied zero_out_wgrad) with no_sync and with every micro-batch reducing;
@@ -29,10 +29,12 @@
 """
 import contextlib
 import copy
+import gc
 import math
 import os
 import sys
 import time
+import weakref
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
@@ -408,10 +410,19 @@ def bytes_held(rank, W, device):
     peak, alone = (max(p for p, _ in peaks[k]) for k in (ZeRO3, "ZeRO3 without prefetch"))
     assert alone <= tied.numel * 8 + per_module < V and all(p == V for p, _ in peaks[ZeRO2]), (alone, per_module, V)
     assert alone < peak <= tied.numel * 8 + per_module + ahead, (peak, alone, per_module, ahead)
+    for cls in CLASSES:  # dropped after a step, a wrapper and its model are freed (as torch's DDP and FSDP2 are)
+        model, optimizer = wrap(cls, tied_lm(device))
+        forward_backward(model, "1 micro-batch", *rank_batch(0, rank, device))
+        optimizer.step()
+        gone = [weakref.ref(model), weakref.ref(model.module)]
+        del model, optimizer
+        gc.collect()
+        assert all(r() is None for r in gone), f"{cls.__name__}: a dropped wrapper kept its model alive"
     for cls in CLASSES:
         log(f"{cls.__name__:6} parameters {got[cls][0]:5} + gradients {got[cls][1]:5} + state {got[cls][2]:5} B")
-    log(f"a step keeps 0 B; ZeRO's full-size gradients <= two adjacent buckets ({two} B of {V}); ZeRO-3's gathered "
-        f"parameters peak at {peak} B (the tied bucket + a module's + one prefetched), {alone} B without prefetch")
+    log(f"a step keeps 0 B, a dropped wrapper none; ZeRO's full-size gradients <= two adjacent buckets ({two} B of "
+        f"{V}); ZeRO-3's gathered parameters peak at {peak} B (the tied bucket + a module's + one prefetched), "
+        f"{alone} B without prefetch")
 
 
 # ---- 6. bf16 parameters ------------------------------------------------------------------------------------------
