@@ -31,6 +31,8 @@ alone (float64, ZeRO-2, tied; refused in one line if it does not fit).
 """
 import contextlib
 import copy
+import functools
+import gc
 import importlib
 import math
 import os
@@ -409,7 +411,8 @@ def layer_activations(world, device):
         x = stage.tok_embeddings((seq_par.zigzag_shard(ids, 1, grid.cp) if cp > 1 else ids).t())
         for blk in stage.layers:
             saved = []
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            keep = lambda t: saved.append(t) or t.detach()       # (t itself: a cycle through its graph, never freed)
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 x = x + blk.attention(blk.attention_norm(x))
                 x = x + blk.feed_forward(blk.ffn_norm(x))
             one = dict(hidden=ten.HIDDEN, heads=ten.HEADS, kv_heads=ten.KV_HEADS, ffn=ten.FFN, seq=ten.SEQ, cp=cp,
@@ -609,6 +612,24 @@ def replicated_kv(world, device):
         f"over its {tp // kv} replicas)")
 
 
+def freed(run):
+    """run, then its process groups destroyed and the collector run, so that what run left lets them go: a live
+    gloo group costs every rank CPU while it idles (its thread wakes every 10 ms)."""
+    @functools.wraps(run)
+    def run_then_free(*args):
+        made, new_group = [], dist.new_group
+        dist.new_group = lambda *a, **k: made.append(new_group(*a, **k)) or made[-1]
+        try:
+            run(*args)
+        finally:
+            dist.new_group = new_group
+        for group in made:
+            dist.destroy_process_group(group)       # (every rank is past its last collective on it: run returned)
+        made.clear()
+        gc.collect()
+    return run_then_free
+
+
 def main():
     extra, why = choose_grid(launched_world_size(), os.environ.get("GRID", ""))
     if why:                                                       # before any work: one line on every rank
@@ -620,17 +641,17 @@ def main():
         grids(world)
         calculator_boundaries()
         if world in (3, 4):                                       # dp 3 (odd), tp 2 x dp 2: the joint's two shapes
-            compose(world, device)
+            freed(compose)(world, device)
         if world % 2 == 0:                                        # tp = W > W/2 K/V heads: replicated
-            replicated_kv(world, device)
-        layer_activations(world, device)
-        five_d_refusals(world)
+            freed(replicated_kv)(world, device)
+        freed(layer_activations)(world, device)
+        freed(five_d_refusals)(world)
         if world in (2, 3):                                       # 6 experts over ep 2, 3
-            capacity(world, device)
+            freed(capacity)(world, device)
         for shape, zero, tied, dtype in FIVE_D.get(world, []):
-            five_d(shape, zero, tied, dtype, device)
+            freed(five_d)(shape, zero, tied, dtype, device)
     for shape, zero, tied, dtype in runs:
-        train_on(shape, zero, tied, dtype, device)
+        freed(train_on)(shape, zero, tied, dtype, device)
     finish(f"{len(runs)} more grids == one process (gradients, losses, parameters), traffic and bytes held == the "
            f"closed forms; the joints, every layout and every refusal")
 
