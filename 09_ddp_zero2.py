@@ -111,9 +111,6 @@ class _WrappedParameter(nn.Parameter):
     def grad(self, value):
         torch.Tensor.grad.__set__(self, value)
 
-    def _accumulated(self):  # its post-accumulate-grad hook, holding nothing (torch never frees a cycle through one)
-        self._dp_owner._on_grad(self._dp_bucket, self)
-
 
 class DDP(nn.Module):
     """Data parallelism in buckets: every rank holds everything; gradients are all-reduced bucket by bucket.
@@ -158,9 +155,9 @@ class DDP(nn.Module):
             b.local = self._local(b)
             wide = torch.promote_types(b.local.dtype, torch.float32)
             b.opt = b.local if b.local.dtype == wide else b.local.to(wide)  # bf16: an fp32 master copy
-            for p in b.params:
+            for p in b.params:  # the hook holds nothing (a bound method: a cycle through p, which torch never frees)
                 p.__class__, p._dp_owner, p.grad_added_to_main_grad = _WrappedParameter, self, False
-                p.register_post_accumulate_grad_hook(_WrappedParameter._accumulated)
+                p.register_post_accumulate_grad_hook(lambda q: q._dp_owner._on_grad(q._dp_bucket, q))
         for g, options in enumerate(optimizer.param_groups):  # your optimizer now steps the buckets' tensors
             options["params"] = [b.opt for (h, _), b in zip(runs, self.buckets) if h == g]
         optimizer.register_step_pre_hook(lambda *_: self._unreduced("optimizer.step()"))

@@ -410,14 +410,20 @@ def bytes_held(rank, W, device):
     peak, alone = (max(p for p, _ in peaks[k]) for k in (ZeRO3, "ZeRO3 without prefetch"))
     assert alone <= tied.numel * 8 + per_module < V and all(p == V for p, _ in peaks[ZeRO2]), (alone, per_module, V)
     assert alone < peak <= tied.numel * 8 + per_module + ahead, (peak, alone, per_module, ahead)
-    for cls in CLASSES:  # dropped after a step, a wrapper and its model are freed (as torch's DDP and FSDP2 are)
-        model, optimizer = wrap(cls, tied_lm(device))
-        forward_backward(model, "1 micro-batch", *rank_batch(0, rank, device))
-        optimizer.step()
-        gone = [weakref.ref(model), weakref.ref(model.module)]
-        del model, optimizer
-        gc.collect()
-        assert all(r() is None for r in gone), f"{cls.__name__}: a dropped wrapper kept its model alive"
+    for cls in CLASSES:  # dropped after a step, a wrapper and its model are freed, every byte (as torch's DDP is)
+        with memory() as mem:
+            model, optimizer = wrap(cls, tied_lm(device))
+            forward_backward(model, "1 micro-batch", *rank_batch(0, rank, device))
+            optimizer.step()
+            gone = [weakref.ref(model), weakref.ref(model.module)]
+            del model, optimizer
+            gc.collect()
+        for _ in range(100):  # (ZeRO-2's all-gathers, in flight after the step, let go once they land)
+            if not mem.live():
+                break
+            time.sleep(0.01)
+        assert all(r() is None for r in gone) and mem.live() == 0, f"{cls.__name__}: a dropped wrapper keeps " \
+            f"{mem.live()} B"
     for cls in CLASSES:
         log(f"{cls.__name__:6} parameters {got[cls][0]:5} + gradients {got[cls][1]:5} + state {got[cls][2]:5} B")
     log(f"a step keeps 0 B, a dropped wrapper none; ZeRO's full-size gradients <= two adjacent buckets ({two} B of "
