@@ -17,6 +17,8 @@ An all-reduce is a reduce-scatter followed by an all-gather, and the ring algori
 Bytes each rank sends for a V-byte tensor over W ranks, ring algorithm (nccl-tests' bus bandwidth factors):
   reduce-scatter (W-1)/W * V      all-gather (W-1)/W * V      all-reduce 2(W-1)/W * V
 so data parallelism pays about 2V a step, by all-reduce (DDP) or reduce-scatter + all-gather (ZeRO): lesson 09.
+NCCL runs these rings. gloo runs a reduce-scatter as an all-reduce of the whole input and keeps chunk r, so there
+it sends 2(W-1)/W * V, as much as an all-reduce (tests/check_03.py counts the bytes each rank writes).
 
 The ring (ring_all_reduce): V in W chunks; rank r sends to r+1 and receives from r-1, W-1 steps a phase.
   reduce-scatter  at step s rank r sends its partial sum of chunk r-1-s and adds in chunk r-2-s it receives:
@@ -37,7 +39,8 @@ Which all-reduce backward is right depends on how the loss counts the output:
 
 Run:  torchrun --nproc-per-node=4 03_allreduce_rs_ag.py     (the bandwidth table: bench/03_bandwidth.py)
 
-tests/check_03.py: sub-groups, V % W != 0, V < W, bf16, every dim, bytes per phase, post order, torch's own, refusals.
+tests/check_03.py: sub-groups, V % W != 0, V < W, bf16, every dim, bytes per phase and as written, post order,
+torch's own, refusals.
 """
 import torch
 import torch.distributed as dist

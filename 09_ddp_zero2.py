@@ -31,7 +31,7 @@ micro-batches, no_sync() on all but the last (the gradients add up locally, full
   ZeRO-2   reduce-scatter + all-gather                     2(W-1)/W * V, the same
   ZeRO-3   all-gather per forward and per backward + reduce-scatter    (2M+1)(W-1)/W * V
 (ZeRO-3's backward skips buckets it never reads: biases alone). Without no_sync each micro-batch reduces: DDP 2M,
-ZeRO-2 M+1, ZeRO-3 3M, times (W-1)/W * V.
+ZeRO-2 M+1, ZeRO-3 3M, times (W-1)/W * V. NCCL runs rings; on gloo a reduce-scatter is an all-reduce (03).
 
     torchrun --nproc-per-node=4 09_ddp_zero2.py    (tests/check_09.py proves the rest; bench/09_dp.py: beside torch's)
 """

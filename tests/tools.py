@@ -4,6 +4,7 @@
     refused(call, error)  call() raises `error` in one line before any collective or P2P call; its message
     memory()              `with memory() as m:` the bytes this rank allocates and still holds (m.live(), m.peak)
     held_bytes(tensors)   the bytes behind tensors that exist already (distinct storages)
+    written()             `with written() as w:` the bytes this process wrote to its sockets and files (w.bytes)
     kept_for_backward     fn()'s output and the bytes autograd saved for its backward
     replays(schedules)    whether posted P2P orders complete as blocking sends (or deadlock)
     strided_groups(s)     sub-groups whose group rank is not the global rank
@@ -76,6 +77,29 @@ def refused(call, error=ValueError) -> str:
             raise AssertionError(f"accepted, where {error.__name__} was expected")
     assert "\n" not in said and not t.calls, (said, t.calls)
     return said
+
+
+class written:
+    """`with written() as w: ...`: w.bytes = the bytes this process (every thread: gloo's too) handed to write and
+    send calls inside the block, the kernel's own count (/proc/self/io, wchar). On gloo that is what a collective
+    puts on the wire, headers included; NCCL moves its bytes over links no syscall sees. w.bytes is None where
+    /proc/self/io cannot be read (not Linux)."""
+
+    @staticmethod
+    def _wchar():
+        try:
+            with open("/proc/self/io") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+        except (OSError, StopIteration, ValueError):
+            return None
+
+    def __enter__(self):
+        self.bytes, self._start = None, self._wchar()
+        return self
+
+    def __exit__(self, *exc):
+        end = self._wchar()
+        self.bytes = None if end is None or self._start is None else end - self._start
 
 
 def held_bytes(tensors) -> int:
