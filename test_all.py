@@ -1,7 +1,7 @@
 """The one test command: every lesson, its check script and its benchmark, run the ways people run them; fails
 loudly (every rank's output) when one breaks.
 
-    pytest test_all.py                 everything (about a minute and a half on 2 cores)
+    pytest test_all.py                 everything (3 minutes on a 2-core machine, gloo)
     pytest test_all.py -m "not slow"   the edit loop: everything but the real torchrun launches
     pytest test_all.py -k lesson05     one lesson: its demo and check script at every size, paste, bench, suite
     pytest test_all.py -m gpu          every lesson under torchrun with NCCL, one process per GPU (skipped without)
