@@ -10,17 +10,18 @@
   starting each bucket's reduction once; overlap: a reduction runs before backward's last gradient, and not
   with overlap=False (bit-equal);
 - bytes held == the closed forms; a dropped wrapper frees its model; a step keeps 0 B; ZeRO's full-size gradients
-  two adjacent buckets at most; ZeRO-2's all-gathers in flight after a step (NaN), landed by forward (== one
-  process); ZeRO-3's gathered parameters at most the running modules' buckets and one prefetched (without
-  prefetch: not that one), 0 B before the first forward, a module run twice or skipped freed, a layer run alone
-  gathered again by its backward, a zero-size saved tensor not mistaken for a freed bucket;
+  two adjacent buckets at most; ZeRO-2's all-gathers in flight after a step (NaN), started in forward order, landed
+  by forward (== one process); ZeRO-3's gathered parameters at most the running modules' buckets and one prefetched
+  (without prefetch: not that one), 0 B before the first forward, a module run twice or skipped freed, a layer run
+  alone gathered again by its backward, a zero-size saved tensor not mistaken for a freed bucket;
 - bf16: fp32 masters and gradients, gathers in bf16, within 2^-6 of one process; gathered() writes reach the
   master; resume from optimizer.state_dict() bit-equal (the masters ride in it);
 - Megatron's main_grad handshake (fused, tied zero_out_wgrad) with no_sync and with every micro-batch reducing;
 - ZeRO-3: freed after forward and backward, NaN outside, the raw state_dict refused, a use outside the owning
   module refused, a layer without gradient stepped with zeros, nn.MultiheadAttention (a parent reading its child);
-- every wrapper state: step twice without backward, p.grad under no_sync / overlap=False / after sync, step and
-  clip after no_sync refused, sync_gradients() then step; 08's ZB-H1 weight gradients (a stand-in);
+- every wrapper state: step twice without backward (nothing read between: the step lands ZeRO-2's gathers),
+  p.grad under no_sync / overlap=False / after sync, step and clip after no_sync refused, sync_gradients() then
+  step; 08's ZB-H1 weight gradients (a stand-in);
 - torch DDP's names accepted where they mean ours (device_ids=[the module's device], output_device, process_group,
   bucket_cap_mb=None, find_unused_parameters=False), the rest refused;
 - refusals at their boundaries, one line on every rank: arguments, optimizer groups, modules differing across
@@ -686,13 +687,19 @@ def states(rank, W, device):
                 torch.testing.assert_close(w.grad, ref.l1.weight.grad, rtol=1e-10, atol=1e-13)  # the mean
             else:
                 shard = one_line(lambda: w.grad, RuntimeError, "l1.weight.grad: ZeRO")
-            for twice in range(2):  # step() twice without a backward between: as torch's, the same grads again
+            # step() twice without a backward between: as torch's, the same grads again. Nothing read between (a
+            # state_dict() lands ZeRO-2's gathers): the second step itself must land them before it steps
+            for _ in range(2):
                 opt.step()
                 optimizer.step()
-                close(model.state_dict(), ref.state_dict(), f"{cls.__name__} step {twice}", rtol=1e-10, atol=1e-12)
+            close(model.state_dict(), ref.state_dict(), f"{cls.__name__} step twice", rtol=1e-10, atol=1e-12)
             if cls is ZeRO2:  # a step leaves its all-gathers in flight, the parameters at NaN; forward waits for them
                 opt.step()
-                optimizer.step()
+                with traffic() as t:
+                    optimizer.step()
+                gathers = [n for op, _, n in t.calls if op == "all_gather"]  # in forward order: the first
+                want = [b.local.nbytes for b in model.buckets[::-1]]             # module's bucket first
+                assert gathers == want and len(set(want)) == len(want), (gathers, want)
                 assert all(b.gathering is not None for b in model.buckets) and w.isnan().all()
                 torch.testing.assert_close(model(ids), ref(ids), rtol=1e-10, atol=1e-12)
                 assert all(b.gathering is None for b in model.buckets) and not w.isnan().any()
