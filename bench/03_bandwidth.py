@@ -9,9 +9,12 @@ isend/irecv), float32, 8 B .. 256 MiB, nccl-tests' two numbers as its doc/PERFOR
     busbw = algbw * F  F = 2(W-1)/W all-reduce; (W-1)/W all-gather, reduce-scatter, all-to-all; 1 broadcast:
                        common.ring_bytes(op, 1, W), the bytes the busiest link of a ring carries per byte of S
 For one link speed algbw falls as W grows; busbw reads against the link's own bandwidth at any W: compare busbw.
-Beside them, a memory copy's bandwidth, the ceiling for gloo over loopback. Asserted in both modes (the speeds are
-measurements, not claims): every op's result at every size against its closed form; every busbw == algbw times
-nccl-tests' factor, written out below; every time the largest of the ranks' own times. Tables: bench/README.md.
+Beside them, a memory copy's bandwidth, the ceiling for gloo over loopback, and (gloo, Linux) the bytes a rank
+really writes to its sockets at the largest size, per byte of the ring's closed form (the kernel's count: headers
+included; gloo's reduce-scatter is an all-reduce inside, 2x). Asserted in both modes (the speeds are measurements,
+not claims): every op's result at every size against its closed form; every busbw == algbw times nccl-tests'
+factor, written out below; every time the largest of the ranks' own times; no op writes less than its closed form
+(the least any algorithm sends, in the mean over ranks). Tables: bench/README.md.
 """
 import math
 import os
@@ -23,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from common import finish, head, launched_world_size, log, refuse, ring_bytes, setup, sync  # noqa: E402
-from tests.tools import slowest  # noqa: E402
+from tests.tools import slowest, written  # noqa: E402
 
 # nccl-tests' doc/PERFORMANCE.md, written out: busbw = algbw times this factor, for W ranks
 NCCL_TESTS_FACTOR = {"all_reduce": lambda W: 2 * (W - 1) / W, "all_gather": lambda W: (W - 1) / W,
@@ -153,8 +156,25 @@ def main():
             ar_us = t * 1e6 if name == "all_reduce" else ar_us
             del call, check
         log(f"{n * 4:>10} {ar_us:>7.0f}us " + " ".join(row))
+    with written() as probe:                            # None: /proc/self/io cannot be read (not Linux)
+        pass
+    measured = dist.get_backend() == "gloo" and W > 1 and probe.bytes is not None   # NCCL's: by no syscall
+    if measured:
+        ratios = {}
+        for name, (kind, make) in ((k, v) for k, v in ops.items() if k != "broadcast"):   # (its form: the root's)
+            call, _ = make(n)
+            dist.barrier()
+            with written() as w:
+                call()
+            mean = torch.tensor(float(w.bytes), dtype=torch.float64)
+            dist.all_reduce(mean)
+            ratios[name] = mean.item() / W / ring_bytes(kind, n * 4, W)
+        assert all(r >= 1 for r in ratios.values()), ratios
+        log(f"bytes a rank writes at {human(n * 4)} (mean over ranks), x the ring's closed form: "
+            + ", ".join(f"{k} {r:.2f}" for k, r in ratios.items()))
     finish(f"{len(ops)} ops at {len(sizes)} sizes, {W} ranks: every result == its closed form, busbw == algbw x "
-           f"nccl-tests' factor, t == the slowest rank's (the speeds are measurements)")
+           f"nccl-tests' factor, t == the slowest rank's" + ", no op writes less than its closed form" * measured
+           + " (the speeds are measurements)")
 
 
 if __name__ == "__main__":
