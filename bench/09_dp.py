@@ -11,8 +11,11 @@ slowest rank's (the max over ranks, asserted equal to the largest of the ranks' 
 times); a ratio is the median of per-round ratios. Bytes held (parameters + gradients + optimizer state) per rank
 are measured at the step, and asserted against the closed forms for ours: DDP 4P, ZeRO-2 P + 3P/W, ZeRO-3 4P/W (P
 the padded parameter bytes). torch DDP gets our bucket size (bucket_cap_mb), so both send the same all-reduces.
-BENCH_ROUNDS (default 20). Tables: bench/README.md.
+On gloo each line also gives the bytes this rank wrote to its sockets a step (tests/tools.written(): the kernel's
+count; gloo's reduce-scatter is an all-reduce inside, so there ZeRO-2 writes what DDP + ZeRO's all-reduce and
+broadcasts write). BENCH_ROUNDS (default 20). Tables: bench/README.md.
 """
+import contextlib
 import copy
 import os
 import statistics
@@ -25,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from common import finish, head, log, refuse, setup, sync  # noqa: E402
-from tests.tools import held_bytes, lesson, slowest  # noqa: E402
+from tests.tools import held_bytes, lesson, slowest, written  # noqa: E402
 
 m = lesson("09_ddp_zero2.py")
 
@@ -108,19 +111,22 @@ def main():
                "ZeRO3": Ours(m.ZeRO3, base, bucket), "FSDP2": Torch("FSDP2", base, bucket)}
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randn(64, width, generator=g).to(device) for _ in range(4)]
-    ms, mib = {name: [] for name in systems}, {}
+    ms, mib, wrote = {name: [] for name in systems}, {}, {}
     for i in range(steps + rounds):
         for name in list(systems)[::1 if i % 2 else -1]:  # interleaved, the order reversed every other round
             model = systems[name]
             sync(device), dist.barrier()
             t0 = time.perf_counter()
-            for k in range(2):  # two steps: the second's forward overlaps ZeRO-2's all-gathers of the first
-                model.module(batches[(2 * i + k) % 4]).pow(2).mean().backward()
-                if i == steps and k == 0:  # bytes held at the step: gradients complete, before the optimizer frees
-                    mib[name] = model.held()
-                model.step()
-            model.settle()  # what is still in flight lands inside the time (not in the next system's)
+            with written() if i == steps else contextlib.nullcontext() as w:   # (the round measuring bytes)
+                for k in range(2):  # two steps: the second's forward overlaps ZeRO-2's all-gathers of the first
+                    model.module(batches[(2 * i + k) % 4]).pow(2).mean().backward()
+                    if i == steps and k == 0:  # bytes held at the step: gradients complete, before the optimizer
+                        mib[name] = model.held()  # frees them
+                    model.step()
+                model.settle()  # what is still in flight lands inside the time (not in the next system's)
             sync(device)
+            if i == steps and w.bytes is not None and dist.get_backend() == "gloo":
+                wrote[name] = w.bytes / 2
             ms[name].append(1e3 * slowest(time.perf_counter() - t0, device) / 2)  # a step
         if i == steps - 1:  # the same data and the same steps: the same parameters
             want = systems["torch DDP"].full_parameters()
@@ -136,7 +142,7 @@ def main():
     for name in systems:
         p, gr, st = (b / 2 ** 20 for b in mib[name])
         log(f"{name:9} {median[name]:7.2f} ms/step   held: params {p:5.2f} + grads {gr:5.2f} + state {st:5.2f}"
-            f" = {p + gr + st:5.2f} MiB")
+            f" = {p + gr + st:5.2f} MiB" + (f"   wrote {wrote[name] / 2 ** 20:5.2f} MiB/step" if wrote else ""))
     for ours, theirs in (("DDP", "torch DDP"), ("ZeRO2", "DDP+ZeRO"), ("ZeRO2", "FSDP2"), ("ZeRO3", "FSDP2")):
         ratio = statistics.median(a / b for a, b in zip(ms[ours][steps + 1:], ms[theirs][steps + 1:]))
         log(f"{ours} / {theirs}: time x{ratio:.2f}, bytes held x{sum(mib[ours]) / sum(mib[theirs]):.2f}")
