@@ -197,8 +197,8 @@ class traffic(TorchDispatchMode):
     """`with traffic() as t:` records every collective and P2P call this rank issues inside it:
     t.counts[op], t.bytes[op] (calls; bytes of the tensors this rank handed in: what an all-reduce reduces, an
     all-gather contributes, a send sends, a recv fills), t.calls [(op, group's global ranks, bytes)] in order.
-    The wire bytes follow by the closed form (ring_bytes). A dispatch mode, like PyTorch's CommDebugMode: it sees
-    each c10d op, also inside backward, and also send and recv (docs/plumbing.md)."""
+    The wire bytes follow by the closed form (ring_bytes: NCCL's rings; gloo's reduce-scatter is an all-reduce).
+    A dispatch mode, like torch's CommDebugMode: each c10d op, in backward too, send and recv (docs/plumbing.md)."""
 
     @classmethod
     def _should_skip_dynamo(cls):  # torch.compile need not skip this mode: saves importing dynamo (~3 s)
