@@ -212,7 +212,7 @@ def check_bytes_written(W, device):
     if dist.get_backend() != "gloo" or None in wrote.values():   # NCCL's bytes go by no syscall; not Linux
         log(f"skipped: on {dist.get_backend()} a rank's writes are not its collectives' bytes" if dist.get_backend()
             != "gloo" else "skipped: /proc/self/io cannot be read here")
-        return
+        return "bytes written: not on this machine"
     ring = ring_bytes("all_reduce", V, W)
     for name, want in [("03's ring all-reduce", ring), ("all_reduce", ring),
                        ("all_gather", ring_bytes("all_gather", V, W))]:
@@ -221,6 +221,7 @@ def check_bytes_written(W, device):
     log(f"V = {V} B: 03's ring, gloo's all-reduce and all-gather write the ring's 2(W-1)/W V, (W-1)/W V within 1 %; "
         + (f"gloo's reduce-scatter writes its all-reduce's {wrote['reduce_scatter']} B, not (W-1)/W V = "
            f"{ring_bytes('reduce_scatter', V, W):.0f}" if W > 1 else "one rank writes nothing"))
+    return "bytes written == the ring's closed forms, gloo's reduce-scatter an all-reduce's"
 
 
 def main():
@@ -233,10 +234,9 @@ def main():
     check_all_reduce(rank, W, device, groups, funcol)
     check_gather_scatter(rank, W, device, groups, funcol)
     check_refusals(W, device, groups)
-    check_bytes_written(W, device)
+    wrote = check_bytes_written(W, device)
     finish("the ring (every V, sub-groups, bf16, bytes per phase, post order), f, g, AG, RS (every dim, bf16, "
-           "torch's own, async_op), the refusals at their boundary; bytes written == the ring's closed forms, gloo's "
-           "reduce-scatter an all-reduce's")
+           f"torch's own, async_op), the refusals at their boundary; {wrote}")
 
 
 if __name__ == "__main__":
