@@ -14,10 +14,14 @@ ZeRO-3); as torchtitan, no TP at tp = 1, no FSDP at dp = 1. Grids: 2 ranks dp1 x
 tp2, 1 rank dp1 x tp1. Asserted first, in float64: every step's loss of ours == torch's (rtol 1e-9) over 3 AdamW
 steps and then every parameter shard (ours == 10's parallelize of a Llama holding torch's full_tensor()s); then, in
 fp32, rounds of one step each interleave, the order reversed every other round; a step's time is the slowest rank's
-(the max over ranks, checked against every rank's own); a ratio is the median of per-round ratios. The untied head
+(the max over ranks, checked against every rank's own); a ratio is the median of per-round ratios. One more round,
+not timed, counts each side's collectives (common.traffic) and, on gloo, the bytes rank 0 writes to its sockets
+(tests/tools.written()); at tp = 1 ZeRO-k and its FSDP2 must hand the same all-gather and reduce-scatter bytes
+(within 1 %: a pair that matches, ZeRO-3 beside the FSDP2 that reshards after forward). The untied head
 (10's TIED=0, Llama 3's): torch's parallelize_module does not keep a tied weight. Default: vocab 4096, hidden 256,
 8/4 heads, ffn 768, 4 layers, 4 x 128 tokens a replica, BENCH_ROUNDS=8. Table: bench/README.md.
 """
+import contextlib
 import copy
 import os
 import statistics
@@ -30,8 +34,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import finish, head, launched_world_size, log, pg_timeout, refuse, setup, sync  # noqa: E402
-from tests.tools import lesson, slowest  # noqa: E402
+from common import finish, head, launched_world_size, log, pg_timeout, refuse, setup, sync, traffic  # noqa: E402
+from tests.tools import lesson, slowest, written  # noqa: E402
 
 HYPER = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 GRIDS = {1: [(1, 1)], 2: [(1, 2), (2, 1)], 4: [(2, 2)]}          # (dp, tp), pp = 1
@@ -177,7 +181,7 @@ def main():
             block = sum(p.numel() * p.element_size() for p in llama.layers[0].parameters()) / 2 ** 20
             ours = m.parallelize(llama, grid, zero=zero, bucket_cap_mb=block, **HYPER)   # a bucket a block, as FSDP2
             comm = m.pipeline.P2PCommunicator((seq // tp, rows, cfg["hidden"]), dtype, device, grid.pp)
-            theirs = torch_parallelize(llama, mesh, zero == 2, rope_)
+            theirs = torch_parallelize(llama, mesh, zero == 3, rope_)   # FSDP2 reshards after forward as ZeRO-3
             return llama, ours, comm, theirs
 
         def step(side, systems, k):
@@ -205,20 +209,34 @@ def main():
             f"ZeRO-{' and ZeRO-'.join(map(str, zeros))}")
         for zero in zeros:
             systems = build(torch.float32, zero)
-            ms = {"ours": [], "torch": []}
-            for i in range(rounds + 1):                    # round 0: warm-up, not counted
+            ms, wrote, handed = {"ours": [], "torch": []}, {}, {}
+            for i in range(rounds + 2):                    # round 0: warm-up; the last counts bytes: not timed
                 for side in ("ours", "torch")[::1 if i % 2 else -1]:
                     sync(device)
                     dist.barrier()
                     t0 = time.perf_counter()
-                    step(side, systems, i)
-                    sync(device)
+                    with written() if i > rounds else contextlib.nullcontext() as w, \
+                            traffic() if i > rounds else contextlib.nullcontext() as t:
+                        step(side, systems, i)
+                        if i > rounds and side == "ours" and zero == 2:   # its all-gathers in flight land:
+                            systems[1][0].state_dict()     # their bytes here (ZeRO-3's would gather: none in flight)
+                        sync(device)
                     ms[side].append(1e3 * slowest(time.perf_counter() - t0, device))
-            ratio = statistics.median(a / b for a, b in zip(ms["ours"][1:], ms["torch"][1:]))
+                    if i > rounds:
+                        handed[side] = {op: sum(n for o, _, n in t.calls if o == op) for op in ("all_gather",
+                                                                                              "reduce_scatter")}
+                    if i > rounds and w.bytes is not None and dist.get_backend() == "gloo":
+                        wrote[side] = w.bytes / 2 ** 20
+            ms = {side: t[1:rounds + 1] for side, t in ms.items()}
+            if tp == 1:     # ZeRO-k and its FSDP2 hand the same gathers and reductions a step (a pair that matches)
+                assert all(abs(handed["ours"][op] - handed["torch"][op]) <= 0.01 * handed["torch"][op] for op in
+                           handed["torch"]), f"ZeRO-{zero} and its FSDP2 hand c10d other bytes a step: {handed}"
+            ratio = statistics.median(a / b for a, b in zip(ms["ours"], ms["torch"]))
             theirs = " + ".join(["TP + SP"] * (tp > 1) + [f"FSDP2 (reshard_after_forward={zero == 3})"] * (dp > 1))
-            log(f"dp{dp} x tp{tp}, ours ZeRO-{zero} {statistics.median(ms['ours'][1:]):8.1f} ms, torch {theirs} "
-                f"{statistics.median(ms['torch'][1:]):8.1f} ms a step (slowest rank, medians): ours / torch "
-                f"x{ratio:.2f} (median of the rounds' ratios)")
+            log(f"dp{dp} x tp{tp}, ours ZeRO-{zero} {statistics.median(ms['ours']):8.1f} ms, torch {theirs} "
+                f"{statistics.median(ms['torch']):8.1f} ms a step (slowest rank, medians): ours / torch "
+                f"x{ratio:.2f} (median of the rounds' ratios)" + (f"; rank 0 wrote {wrote['ours']:.2f} MiB, torch "
+                                                                   f"{wrote['torch']:.2f} MiB a step" if wrote else ""))
     finish(f"10's Llama on {', '.join(f'dp{d} x tp{t}' for d, t in GRIDS[world])} == torchtitan's recipe (losses, "
            f"parameters); each time the slowest rank's (the speeds are measurements)")
 
