@@ -12,8 +12,9 @@ init_device_mesh over the world. Ours sums SP's row-bias gradient (allreduce_seq
 timed step, as DTensor does inside its backward. Asserted in both modes (the speeds are measurements, not claims):
 each pair's outputs, input gradients and every weight gradient agree (ours == its shard of DTensor's full_tensor());
 each round's time is the slowest rank's (the max over the ranks, checked against every rank's own); a ratio is the
-median of per-round ratios, the order of the two reversed every other round. Default [4, 256, 512] fp32, 16 query
-heads and 8 K/V heads, ffn 2048, BENCH_ROUNDS=10 rounds. Table: bench/README.md.
+median of per-round ratios, the order of the two reversed every other round. On gloo each line also gives the bytes
+rank 0 wrote to its sockets for the block's forward and backward (tests/tools.written(), in the float64 check).
+Default [4, 256, 512] fp32, 16 query heads and 8 K/V heads, ffn 2048, BENCH_ROUNDS=10 rounds. Table: bench/README.md.
 """
 import copy
 import os
@@ -28,7 +29,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import finish, head, launched_world_size, log, refuse, setup, sync  # noqa: E402
-from tests.tools import lesson, slowest  # noqa: E402
+from tests.tools import lesson, slowest, written  # noqa: E402
 
 
 class SwiGLU(nn.Module):
@@ -136,8 +137,15 @@ def main():
         grad = xi.grad          # DTensor's: an AsyncCollectiveTensor (its collective in flight), waited in the time
         return y, grad.wait() if hasattr(grad, "trigger_wait") else grad
 
+    wrote = {}
     for name, (ours, theirs, layers) in pairs.items():     # ours == DTensor's, forward and backward
-        (y, gx), (y_t, gx_t) = run(name, 0), run(name, 1)
+        outs = []
+        for side in (0, 1):                                # the bytes each side writes to its sockets (gloo)
+            dist.barrier()
+            with written() as w:
+                outs.append(run(name, side))
+            wrote[name, side] = w.bytes if dist.get_backend() == "gloo" else None
+        (y, gx), (y_t, gx_t) = outs
         torch.testing.assert_close([y, gx], [y_t, gx_t], rtol=1e-9, atol=1e-12, msg=lambda e: f"{name}: {e}")
         for layer, linears in layers:                      # every weight gradient: ours == its shard of torch's
             full = [(lin.weight.grad.full_tensor(), None if lin.bias is None else lin.bias.grad.full_tensor())
@@ -162,7 +170,8 @@ def main():
         ratio = statistics.median(a / b for a, b in zip(ms[(name, 0)], ms[(name, 1)]))
         ours, theirs = (statistics.median(ms[(name, side)]) for side in (0, 1))
         log(f"{name:20} ours {ours:8.2f} ms, DTensor {theirs:8.2f} ms (slowest rank, medians)   ours / DTensor "
-            f"x{ratio:.2f} (median of the rounds' ratios)")
+            f"x{ratio:.2f} (median of the rounds' ratios)"
+            + (f"; rank 0 wrote {wrote[name, 0]} B, DTensor {wrote[name, 1]} B" if wrote[name, 0] is not None else ""))
     finish(f"{len(pairs)} TP blocks at {world} ranks == DTensor's, forward and backward; each time the slowest rank's "
            f"(the speeds are measurements)")
 
