@@ -9,10 +9,11 @@ its prefix, causal at its end); PyTorch's ring, _templated_ring_attention and it
 kernel, with its all-gather and its all-to-all rotater (CPU only, MHA only); one process running SDPA on the whole
 sequence. Every side is first checked equal to one process's SDPA (output, dq, dk, dv at this rank's rows), then
 rounds interleave; a round's time is the slowest rank's (the max over ranks, asserted equal to the largest of the
-ranks' own times); ratios are medians of per-round ratios. Then one ring step's overlap (the K, V exchange beside
-one attention block) and the SP linear's (grad_x's reduce-scatter beside dW), printed, not asserted: on a shared CPU
-gloo's threads compete with the compute. BENCH_ROUNDS (default 10), BENCH_KV_HEADS (default h; fewer: GQA).
-Tables: bench/README.md.
+ranks' own times); ratios are medians of per-round ratios; on gloo each line also gives the bytes rank 0 wrote to
+its sockets for that side's forward and backward (tests/tools.written()). Then one ring step's overlap (the K, V
+exchange beside one attention block) and the SP linear's (grad_x's reduce-scatter beside dW), printed, not asserted:
+on a shared CPU gloo's threads compete with the compute. BENCH_ROUNDS (default 10), BENCH_KV_HEADS (default h;
+fewer: GQA). Tables: bench/README.md.
 """
 import os
 import statistics
@@ -25,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import finish, head, launched_world_size, log, refuse, setup, sync, time_overlap  # noqa: E402
-from tests.tools import lesson, slowest  # noqa: E402
+from tests.tools import lesson, slowest, written  # noqa: E402
 
 m = lesson("06_sequence_parallel.py")
 
@@ -110,9 +111,13 @@ def main():
     if h_kv == h:                                        # PyTorch's ring: [b, h, s, d] in and out, MHA
         for name, run in torch_ring(device).items():
             sides[name] = lambda run=run: [sbhd(t) for t in run(*map(bhsd, mine))]
-    want = one_process()
+    want, wrote = one_process(), {}
     for name, fn in sides.items():                       # every side first equals one process's SDPA
-        for got, ref in zip(fn(), want):
+        dist.barrier()
+        with written() as w:                             # and writes this many bytes to its sockets (gloo)
+            outs = fn()
+        wrote[name] = w.bytes if dist.get_backend() == "gloo" else None
+        for got, ref in zip(outs, want):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5, msg=lambda e: f"{name}: {e}")
     log(f"output, dq, dk, dv of every side == one process's SDPA (rtol 1e-4); {rounds} interleaved rounds, each "
         "the slowest rank's time")
@@ -127,7 +132,8 @@ def main():
             ms[name].append(1e3 * slowest(time.perf_counter() - t0, device))
     for name in sides:
         ratio = statistics.median(a / b for a, b in zip(ms["ours"], ms[name]))
-        log(f"{name:24} {statistics.median(ms[name]):8.1f} ms   ours / it: x{ratio:.2f} (median of per-round ratios)")
+        log(f"{name:24} {statistics.median(ms[name]):8.1f} ms   ours / it: x{ratio:.2f} (median of per-round ratios)"
+            + (f"; rank 0 wrote {wrote[name]} B" if wrote[name] is not None else ""))
     log(f"load average now {os.getloadavg()[0]:.1f}")
 
     head("overlap: a ring step's K, V exchange beside its attention block; the SP linear's reduce-scatter beside dW")
