@@ -7,10 +7,13 @@ On 16 TanhBlocks (x + tanh(x W^T + b), h = 256, fp32), M = 8 micro-batches of 32
 loss: each pair is first checked to give the same loss and the same gradients on every stage (rtol 1e-5), then
 rounds interleave (the order reversed every other round): a round times one step of each side, the slowest rank's
 time (the max over ranks, asserted equal to the largest of the ranks' own times); a ratio is the median of
-per-round ratios. torch infers its stages' shapes in its first step (not timed). BENCH_ROUNDS (default 20),
-BENCH_ROWS (rows a micro-batch, default 32).
+per-round ratios. torch infers its stages' shapes in its first step (not timed). On gloo each line also gives the
+bytes rank 0 wrote to its sockets in the warm-up round's step (tests/tools.written()), asserted on every rank to be
+torch's plus 4 bytes a message it sent (each message one transfer: the tensor and its fp32 flag). BENCH_ROUNDS
+(default 20), BENCH_ROWS (rows a micro-batch, default 32).
 Tables: bench/README.md.
 """
+import contextlib
 import os
 import statistics
 import sys
@@ -23,7 +26,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import finish, head, log, refuse, setup, sync  # noqa: E402
-from tests.tools import lesson, slowest  # noqa: E402
+from tests.tools import lesson, slowest, written  # noqa: E402
 
 m = lesson("08_pipeline_1f1b.py")
 BLOCKS, M, V = 16, 8, 2
@@ -96,19 +99,29 @@ def main():
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7, msg=lambda s: f"{name} grads: {s}")
         sides[name], ms[name] = (ours, theirs), ([], [])
     log(f"1F1B, interleaved (v = {V}), ZB-H1: our loss and every stage's gradients == torch's (rtol 1e-5)")
-    for i in range(1 + rounds):                       # round 0: warm-up, not counted
+    wrote, sent = {}, {}
+    for i in range(1 + rounds):                       # round 0: warm-up, not counted; it counts the bytes
         for name, (ours, theirs) in sides.items():
             for k, side in [(0, ours), (1, theirs)][::1 if i % 2 else -1]:
                 full.zero_grad(set_to_none=True)
                 sync(device), dist.barrier()
+                posted = len(ours.comm.log)
                 t0 = time.perf_counter()
-                side.step(*data[i % 2])
-                sync(device)
+                with written() if i == 0 else contextlib.nullcontext() as w:
+                    side.step(*data[i % 2])
+                    sync(device)
                 ms[name][k].append(1e3 * slowest(time.perf_counter() - t0, device))
+                if i == 0 and w.bytes is not None and dist.get_backend() == "gloo":
+                    wrote[name, k] = w.bytes
+                    if side is ours:                  # the messages this rank sent in that step
+                        sent[name] = sum(op == "send" for call in ours.comm.log[posted:] for op, *_ in call)
+    for name in sides if wrote else ():               # one transfer a message: torch's bytes + its 4-byte flag
+        assert wrote[name, 0] - wrote[name, 1] == 4 * sent[name], (name, wrote[name, 0], wrote[name, 1], sent[name])
     for name, (a, b) in ms.items():
         ratio = statistics.median(x / y for x, y in zip(a[1:], b[1:]))
         log(f"{name:11} ours {statistics.median(a[1:]):7.2f} ms  torch {statistics.median(b[1:]):7.2f} ms  "
-            f"ours/torch x{ratio:.2f}")
+            f"ours/torch x{ratio:.2f}" + (f"; rank 0 wrote {wrote[name, 0]} B, torch {wrote[name, 1]} B a step"
+                                          if wrote else ""))
     finish(f"benchmark at {W} ranks, {rounds} rounds; load average {os.getloadavg()[0]:.1f}")
 
 
