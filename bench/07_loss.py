@@ -8,7 +8,8 @@ check_slices=False, Megatron's form (three all-reduces of one number a token) an
 (F.cross_entropy on a DTensor sharded on the vocabulary). Asserted in both modes (the speeds are measurements, not
 claims): the four losses and dlogits equal F.cross_entropy on the whole logits, in one process; each round's time
 is the slowest rank's (the max over the ranks, checked against every rank's own); a ratio is the median of the
-per-round ratios, the order rotating each round. Table: bench/README.md.
+per-round ratios, the order rotating each round. On gloo each line also gives the bytes rank 0 wrote to its sockets
+for that loss's forward and backward (tests/tools.written()). Table: bench/README.md.
 """
 import os
 import statistics
@@ -33,7 +34,7 @@ def main():
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
-    from tests.tools import lesson
+    from tests.tools import lesson, written
     m = lesson("07_vocab_parallel.py")
     tokens, vocab, rounds = (64, 1024, 2) if small == "1" else (1024, 32768, int(os.environ.get("BENCH_ROUNDS", "21")))
     if vocab % world:
@@ -66,8 +67,12 @@ def main():
     dense = full.detach().double().requires_grad_()
     want = F.cross_entropy(dense, target)                  # the whole logits in one process, float64
     want.backward()
+    wrote = {}
     for name in names:
-        loss, grad = run(name)
+        dist.barrier()
+        with written() as w:                               # the bytes this rank writes to its sockets (gloo)
+            loss, grad = run(name)
+        wrote[name] = w.bytes if dist.get_backend() == "gloo" else None
         torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad.double(), dense.grad[:, lo:hi], rtol=1e-5, atol=1e-9)
     ms = {name: [] for name in names}
@@ -82,7 +87,8 @@ def main():
     for name in names:
         ratio = statistics.median(a / b for a, b in zip(ms[name], ms["loss_parallel"]))
         log(f"{name:15} {statistics.median(ms[name]):8.2f} ms (slowest rank, median)   / loss_parallel: "
-            f"x{ratio:.2f} (median of the rounds' ratios)")
+            f"x{ratio:.2f} (median of the rounds' ratios)" + (f"; rank 0 wrote {wrote[name]} B" if wrote[name]
+                                                               is not None else ""))
     finish(f"{len(names)} losses at {world} ranks: loss and dlogits == F.cross_entropy on the whole logits; each "
            f"time the slowest rank's (the speeds are measurements)")
 
