@@ -156,19 +156,19 @@ def main():
             ar_us = t * 1e6 if name == "all_reduce" else ar_us
             del call, check
         log(f"{n * 4:>10} {ar_us:>7.0f}us " + " ".join(row))
-    with written() as probe:                            # None: /proc/self/io cannot be read (not Linux)
-        pass
-    measured = dist.get_backend() == "gloo" and W > 1 and probe.bytes is not None   # NCCL's: by no syscall
+    ratios = {}
+    for name, (kind, make) in ((k, v) for k, v in ops.items() if k != "broadcast"):   # (its form: the root's)
+        call, _ = make(n)
+        dist.barrier()
+        with written(on=W > 1) as w:                    # None on NCCL, off Linux (alike on every rank)
+            call()
+        if w.bytes is None:
+            break
+        mean = torch.tensor(float(w.bytes), dtype=torch.float64)
+        dist.all_reduce(mean)
+        ratios[name] = mean.item() / W / ring_bytes(kind, n * 4, W)
+    measured = bool(ratios)
     if measured:
-        ratios = {}
-        for name, (kind, make) in ((k, v) for k, v in ops.items() if k != "broadcast"):   # (its form: the root's)
-            call, _ = make(n)
-            dist.barrier()
-            with written() as w:
-                call()
-            mean = torch.tensor(float(w.bytes), dtype=torch.float64)
-            dist.all_reduce(mean)
-            ratios[name] = mean.item() / W / ring_bytes(kind, n * 4, W)
         assert all(r >= 1 for r in ratios.values()), ratios
         log(f"bytes a rank writes at {human(n * 4)} (mean over ranks), x the ring's closed form: "
             + ", ".join(f"{k} {r:.2f}" for k, r in ratios.items()))

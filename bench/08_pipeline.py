@@ -13,7 +13,6 @@ torch's plus 4 bytes a message it sent (each message one transfer: the tensor an
 (default 20), BENCH_ROWS (rows a micro-batch, default 32).
 Tables: bench/README.md.
 """
-import contextlib
 import os
 import statistics
 import sys
@@ -107,11 +106,11 @@ def main():
                 sync(device), dist.barrier()
                 posted = len(ours.comm.log)
                 t0 = time.perf_counter()
-                with written() if i == 0 else contextlib.nullcontext() as w:
+                with written(on=i == 0) as w:
                     side.step(*data[i % 2])
                     sync(device)
                 ms[name][k].append(1e3 * slowest(time.perf_counter() - t0, device))
-                if i == 0 and w.bytes is not None and dist.get_backend() == "gloo":
+                if w.bytes is not None:
                     wrote[name, k] = w.bytes
                     if side is ours:                  # the messages this rank sent in that step
                         sent[name] = sum(op == "send" for call in ours.comm.log[posted:] for op, *_ in call)

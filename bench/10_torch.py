@@ -135,7 +135,6 @@ def whole(p):
 def torch_step(model, optimizer, ids, targets):
     """torchtitan's train step, one micro-batch: loss_parallel where the logits are vocabulary-sharded DTensors."""
     from torch.distributed.tensor.parallel import loss_parallel
-    import contextlib
     logits = model(ids)
     with loss_parallel() if hasattr(logits, "placements") else contextlib.nullcontext():
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -217,8 +216,7 @@ def main():
                     sync(device)
                     dist.barrier()
                     t0 = time.perf_counter()
-                    with written() if i > rounds else contextlib.nullcontext() as w, \
-                            traffic() if i > rounds else contextlib.nullcontext() as t:
+                    with written(on=i > rounds) as w, traffic() if i > rounds else contextlib.nullcontext() as t:
                         step(side, systems, i)
                         if i > rounds and side == "ours" and zero == 2:   # its all-gathers in flight land:
                             systems[1][0].state_dict()     # their bytes here (ZeRO-3's would gather: none in flight)
@@ -227,7 +225,7 @@ def main():
                     if i > rounds:
                         handed[side] = {op: sum(n for o, _, n in t.calls if o == op) for op in ("all_gather",
                                                                                               "reduce_scatter")}
-                    if i > rounds and w.bytes is not None and dist.get_backend() == "gloo":
+                    if w.bytes is not None:
                         wrote[side] = w.bytes / 2 ** 20
             ms = {side: t[1:rounds + 1] for side, t in ms.items()}
             if tp == 1 and dp > 1:   # ZeRO-k and its FSDP2 hand the same gathers and reductions (a matching pair)

@@ -4,7 +4,7 @@
     refused(call, error)  call() raises `error` in one line before any collective or P2P call; its message
     memory()              `with memory() as m:` the bytes this rank allocates and still holds (m.live(), m.peak)
     held_bytes(tensors)   the bytes behind tensors that exist already (distinct storages)
-    written()             `with written() as w:` the bytes this process wrote to its sockets and files (w.bytes)
+    written()             `with written() as w:` the bytes this process wrote to its sockets, on gloo (w.bytes)
     kept_for_backward     fn()'s output and the bytes autograd saved for its backward
     replays(schedules)    whether posted P2P orders complete as blocking sends (or deadlock)
     strided_groups(s)     sub-groups whose group rank is not the global rank
@@ -81,9 +81,13 @@ def refused(call, error=ValueError) -> str:
 
 class written:
     """`with written() as w: ...`: w.bytes = the bytes this process (every thread: gloo's too) handed to write and
-    send calls inside the block, the kernel's own count (/proc/self/io, wchar). On gloo that is what a collective
-    puts on the wire, headers included; NCCL moves its bytes over links no syscall sees. w.bytes is None where
-    /proc/self/io cannot be read (not Linux)."""
+    send calls inside the block, the kernel's own count (/proc/self/io, wchar): on gloo, what its collectives put
+    on the wire, headers included. w.bytes is None where that count is not theirs or cannot be had: a backend other
+    than gloo (NCCL moves its bytes over links no syscall sees), no /proc/self/io (not Linux), or on=False (a
+    round that is not measured)."""
+
+    def __init__(self, on=True):
+        self.on = on and dist.is_initialized() and dist.get_backend() == "gloo"
 
     @staticmethod
     def _wchar():
@@ -94,12 +98,12 @@ class written:
             return None
 
     def __enter__(self):
-        self.bytes, self._start = None, self._wchar()
+        self.bytes, self._start = None, self._wchar() if self.on else None
         return self
 
     def __exit__(self, *exc):
-        end = self._wchar()
-        self.bytes = None if end is None or self._start is None else end - self._start
+        end = None if self._start is None else self._wchar()
+        self.bytes = None if end is None else end - self._start
 
 
 def held_bytes(tensors) -> int:
